@@ -1,0 +1,31 @@
+"""ropekit: Rotary Position Embedding (RoPE) for PyTorch.
+
+Layers, bottom to top: frequencies (inv_freq, cos/sin tables, scaling rules) ·
+backends (reference float64 matrices, torch kernels) · functional (apply_rotary) ·
+nn (modules) · tools and cli.
+"""
+
+from . import backends, scaling
+from .backends.reference import apply_reference, rotation_matrix
+from .frequencies import base_inv_freq, cos_sin, inv_frequencies, rotation_angles
+from .functional import apply_rotary
+from .layouts import channel_permutation, convert_layout, permute_qk_weight
+from .nn.rotary import RotaryEmbedding
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RotaryEmbedding",
+    "apply_reference",
+    "apply_rotary",
+    "backends",
+    "base_inv_freq",
+    "channel_permutation",
+    "convert_layout",
+    "cos_sin",
+    "inv_frequencies",
+    "permute_qk_weight",
+    "rotation_angles",
+    "rotation_matrix",
+    "scaling",
+]

@@ -1,0 +1,119 @@
+"""``apply_rotary``: validate, pick a backend, rotate (out of place or in place) with autograd."""
+
+from __future__ import annotations
+
+import torch
+
+from . import backends
+from ._checks import check_float_tensor, check_layout
+
+
+def _expand_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the tables against ``x`` and view them with ``x.dim()`` dimensions."""
+    check_float_tensor(cos, "cos")
+    check_float_tensor(sin, "sin")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.dim() == 0:
+        raise ValueError("cos must have at least one dimension (rotary_dim // 2,), got a scalar")
+    if cos.dim() > x.dim():
+        raise ValueError(
+            f"cos has {cos.dim()} dimensions, more than x ({x.dim()}): tables must broadcast against x; "
+            f"got cos {tuple(cos.shape)} and x {tuple(x.shape)}"
+        )
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim > x.shape[-1]:
+        raise ValueError(
+            f"x has {x.shape[-1]} channels in its last dimension, fewer than rotary_dim = 2 * cos.shape[-1] = "
+            f"{rotary_dim}"
+        )
+    lead = (1,) * (x.dim() - cos.dim())
+    cos = cos.reshape(lead + tuple(cos.shape))
+    sin = sin.reshape(lead + tuple(sin.shape))
+    for axis, (t, n) in enumerate(zip(cos.shape[:-1], x.shape[:-1])):
+        if t not in (1, n):
+            raise ValueError(
+                f"cos/sin of shape {tuple(cos.shape)} do not broadcast against x of shape {tuple(x.shape)} "
+                f"(axis {axis}: {t} vs {n})"
+            )
+    if cos.device != x.device:
+        raise ValueError(f"cos is on {cos.device} but x is on {x.device}")
+    return cos, sin
+
+
+class _Rotary(torch.autograd.Function):
+    """Rotation with a hand-written backward: the gradient is rotated by ``-theta``.
+
+    Nothing of ``x``'s size is saved for the backward pass, only the tables.
+    """
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, layout, inplace, rotate):  # noqa: D102
+        out = rotate(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)
+        ctx.save_for_backward(cos, sin)
+        ctx.layout = layout
+        ctx.rotate = rotate
+        if inplace:
+            ctx.mark_dirty(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        cos, sin = ctx.saved_tensors
+        grad_x = ctx.rotate(grad, cos, sin, layout=ctx.layout, conjugate=True, inplace=False)
+        return grad_x, None, None, None, None, None
+
+
+def apply_rotary(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    layout: str = "half",
+    inplace: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    r"""Rotate the first ``rotary_dim`` channels of ``x`` by the angles behind ``cos``/``sin``.
+
+    For each rotary pair ``(x1, x2)``:
+    :math:`y_1 = x_1 \cos\theta - x_2 \sin\theta,\; y_2 = x_2 \cos\theta + x_1 \sin\theta`
+    (RoFormer eq. 34), i.e. ``y = R(theta) x`` without building ``R``.
+
+    Args:
+        x: query or key of shape ``(..., head_dim)``, any float dtype
+            (e.g. ``(batch, heads, seq, head_dim)`` or ``(tokens, heads, head_dim)``).
+        cos, sin: half-width tables of shape broadcastable to
+            ``x.shape[:-1] + (rotary_dim // 2,)`` (from :func:`ropekit.cos_sin`), e.g.
+            ``(seq, rotary_dim // 2)`` against ``(batch, heads, seq, head_dim)``.
+            ``rotary_dim = 2 * cos.shape[-1]`` must not exceed ``head_dim``; the
+            channels past it are left untouched (partial rotary).
+        layout: ``"half"`` pairs channels ``(i, i + rotary_dim/2)`` (GPT-NeoX, HF);
+            ``"interleaved"`` pairs ``(2i, 2i+1)`` (RoFormer, Meta, GPT-J).
+        inplace: rotate ``x`` itself and return it; allocates nothing of ``x``'s size.
+        backend: ``"auto"`` or a name from :func:`ropekit.backends.available`.
+
+    Returns:
+        Tensor of ``x``'s shape and dtype (``x`` itself when ``inplace``). Arithmetic is
+        float32 (float64 for float64 inputs), rounded once to ``x.dtype``.
+
+    Autograd: gradients flow to ``x`` through the rotation by ``-theta`` (no saved
+    activations). When ``cos``/``sin`` require grad (learned frequencies) a composite
+    path is used that also differentiates the tables.
+    """
+    check_float_tensor(x, "x")
+    check_layout(layout)
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
+    cos, sin = _expand_tables(x, cos, sin)
+    rotate = backends.select(backend, x)
+    tables_need_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    if tables_need_grad:
+        from .backends.torch_eager import rotate_differentiable
+
+        if not inplace:
+            return rotate_differentiable(x, cos, sin, layout=layout)
+        rotated = rotate_differentiable(x.clone(), cos, sin, layout=layout)
+        return x.copy_(rotated)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rotary.apply(x, cos, sin, layout, inplace, rotate)
+    return rotate(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)

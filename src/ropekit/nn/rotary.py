@@ -1,0 +1,194 @@
+"""``RotaryEmbedding``: cached cos/sin tables plus the apply, as a ``torch.nn.Module``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._checks import check_even_positive, check_layout, check_positions, check_positive_float
+from ..frequencies import cos_sin, inv_frequencies
+from ..functional import apply_rotary
+
+_MIN_TABLE = 256
+
+
+def _round_up_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding for queries and keys.
+
+    Args:
+        head_dim: channels per attention head (even).
+        base: RoPE base (``rope_theta``), default 10000.
+        rotary_dim: rotated channels per head (even, ``<= head_dim``); default ``head_dim``.
+            Channels past it are left untouched (partial rotary, e.g. GPT-NeoX 25%).
+        layout: ``"half"`` (HF / GPT-NeoX, default) or ``"interleaved"`` (RoFormer / Meta).
+        scaling: ``None`` or a rule from :mod:`ropekit.scaling`.
+        backend: kernel for :func:`ropekit.apply_rotary`.
+
+    The cos/sin tables are float32, computed from float64 angles, cached per device
+    and grown on demand to cover the largest position seen (never truncated). They
+    are not buffers: ``module.to(torch.bfloat16)`` cannot downcast them.
+
+    Shapes in :meth:`forward`: ``q`` is ``(..., seq, heads, head_dim)`` or
+    ``(..., heads, seq, head_dim)`` with ``seq_dim`` naming the sequence axis
+    (default ``-2``, i.e. ``(batch, heads, seq, head_dim)``). ``k`` may have a
+    different number of heads (GQA / MQA).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        base: float = 10000.0,
+        rotary_dim: int | None = None,
+        layout: str = "half",
+        scaling: Any = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.head_dim = check_even_positive(head_dim, "head_dim")
+        self.rotary_dim = head_dim if rotary_dim is None else check_even_positive(rotary_dim, "rotary_dim")
+        if self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim ({self.rotary_dim}) must not exceed head_dim ({self.head_dim})")
+        self.base = check_positive_float(base, "base")
+        self.layout = check_layout(layout)
+        self.scaling = scaling
+        self.backend = backend
+        self.inv_freq, self.attention_scale = inv_frequencies(self.rotary_dim, self.base, scaling)
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._dynamic_seq_len: int | None = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base:g}, "
+            f"layout={self.layout!r}, scaling={self.scaling!r}"
+        )
+
+    # -- tables -----------------------------------------------------------------------------
+    def _refresh_dynamic(self, seq_len: int) -> None:
+        """Dynamic rules recompute the frequencies when the sequence length changes."""
+        if not getattr(self.scaling, "dynamic", False) or seq_len == self._dynamic_seq_len:
+            return
+        self.inv_freq, self.attention_scale = inv_frequencies(
+            self.rotary_dim, self.base, self.scaling, seq_len=seq_len
+        )
+        self._dynamic_seq_len = seq_len
+        self._tables.clear()
+
+    def tables(self, length: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(cos, sin)`` of shape ``(n, rotary_dim // 2)`` with ``n >= length``, on ``device``."""
+        device = torch.device(device)
+        cached = self._tables.get(device)
+        if cached is None or cached[0].shape[0] < length:
+            size = max(_round_up_pow2(length), _MIN_TABLE)
+            if cached is not None:
+                size = max(size, 2 * cached[0].shape[0])
+            positions = torch.arange(size, device=device)
+            cached = cos_sin(positions, self.inv_freq, attention_scale=self.attention_scale)
+            self._tables[device] = cached
+        return cached
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered float32 tables of shape ``positions.shape + (rotary_dim // 2,)``."""
+        check_positions(positions)
+        if positions.numel() == 0:
+            empty = torch.empty(*positions.shape, self.rotary_dim // 2, device=positions.device)
+            return empty, empty.clone()
+        needed = int(positions.max()) + 1
+        self._refresh_dynamic(needed)
+        cos, sin = self.tables(needed, positions.device)
+        return cos[positions], sin[positions]
+
+    # -- apply ------------------------------------------------------------------------------
+    def _positions(self, seq: int, positions: torch.Tensor | None, offset: Any, device: torch.device) -> torch.Tensor:
+        if positions is not None:
+            if not (isinstance(offset, int) and offset == 0):
+                raise ValueError("pass either positions or offset, not both (offset shifts the default arange)")
+            check_positions(positions)
+            if positions.dim() not in (1, 2) or positions.shape[-1] != seq:
+                raise ValueError(
+                    f"positions must have shape (seq,) or (batch, seq) with seq={seq}, got {tuple(positions.shape)}"
+                )
+            return positions.to(device)
+        steps = torch.arange(seq, device=device)
+        if isinstance(offset, torch.Tensor):
+            check_positions(offset, "offset")
+            if offset.dim() > 1:
+                raise ValueError(f"offset must be an int or a (batch,) tensor, got shape {tuple(offset.shape)}")
+            return offset.to(device).reshape(-1, 1) + steps if offset.dim() == 1 else offset.to(device) + steps
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset must be a non-negative int or a (batch,) integer tensor, got {offset!r}")
+        return steps + offset
+
+    def rotate(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        offset: int | torch.Tensor = 0,
+        seq_dim: int = -2,
+        inplace: bool = False,
+    ) -> torch.Tensor:
+        """Rotate one tensor ``x`` (a query or a key); arguments as in :meth:`forward`."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            raise ValueError(f"x must be a tensor with a sequence and a channel axis, got {getattr(x, 'shape', x)}")
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"x has head_dim {x.shape[-1]}, this RotaryEmbedding was built for {self.head_dim}")
+        ndim = x.dim()
+        if not isinstance(seq_dim, int) or not -ndim <= seq_dim < ndim - 1 or seq_dim % ndim == ndim - 1:
+            raise ValueError(f"seq_dim must name an axis of x other than the last, got {seq_dim} for {ndim}-D x")
+        axis = seq_dim % ndim
+        pos = self._positions(x.shape[axis], positions, offset, x.device)
+        cos, sin = self.cos_sin(pos)
+        view = [1] * ndim
+        view[axis] = x.shape[axis]
+        view[-1] = self.rotary_dim // 2
+        if pos.dim() == 2:
+            if axis == 0:
+                raise ValueError("batched positions (batch, seq) need a batch axis before the sequence axis")
+            if pos.shape[0] not in (1, x.shape[0]):
+                raise ValueError(f"positions has batch {pos.shape[0]} but x has batch {x.shape[0]}")
+            view[0] = pos.shape[0]
+        return apply_rotary(
+            x, cos.reshape(view), sin.reshape(view), layout=self.layout, inplace=inplace, backend=self.backend
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
+        *,
+        offset: int | torch.Tensor = 0,
+        seq_dim: int = -2,
+        inplace: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rotate queries and keys.
+
+        Args:
+            q: queries, ``(batch, heads, seq, head_dim)`` by default (see ``seq_dim``).
+            k: keys with the same sequence length (any head count), or ``None``.
+            positions: integer token positions, ``(seq,)`` or ``(batch, seq)`` for padded or
+                packed batches and KV-cache decoding; default ``offset + arange(seq)``.
+            offset: shift of the default positions: an int, or a ``(batch,)`` tensor of
+                per-sequence offsets.
+            seq_dim: the sequence axis of ``q`` and ``k`` (``-2`` for ``(b, h, s, d)``,
+                ``-3`` for ``(b, s, h, d)``, ``0`` for packed ``(tokens, h, d)``).
+            inplace: rotate ``q`` and ``k`` in place.
+
+        Returns:
+            ``(q_rotated, k_rotated)`` with the input shapes and dtypes.
+        """
+        if k is not None and k.shape[seq_dim] != q.shape[seq_dim]:
+            raise ValueError(
+                f"q and k must have the same length along seq_dim={seq_dim}, got {q.shape[seq_dim]} and "
+                f"{k.shape[seq_dim]}"
+            )
+        q_out = self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace)
+        k_out = None if k is None else self.rotate(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace)
+        return q_out, k_out
