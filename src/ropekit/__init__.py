@@ -7,6 +7,7 @@ nn (modules) · tools and cli.
 
 from . import backends, scaling
 from .backends.reference import apply_reference, rotation_matrix
+from .config import RopeConfig
 from .frequencies import base_inv_freq, cos_sin, inv_frequencies, rotation_angles
 from .functional import apply_rotary
 from .layouts import channel_permutation, convert_layout, permute_qk_weight
@@ -15,6 +16,7 @@ from .nn.rotary import RotaryEmbedding
 __version__ = "0.1.0"
 
 __all__ = [
+    "RopeConfig",
     "RotaryEmbedding",
     "apply_reference",
     "apply_rotary",

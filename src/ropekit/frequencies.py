@@ -18,6 +18,8 @@ import torch
 
 from ._checks import check_even_positive, check_positions, check_positive_float
 
+_NO_FLOAT64 = ("mps",)  # device types without float64 tensors
+
 
 def base_inv_freq(rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
     """The unscaled RoPE frequencies ``theta_i = base ** (-2i / rotary_dim)``.
@@ -89,16 +91,17 @@ def rotation_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Te
         inv_freq: float tensor of shape ``(rotary_dim // 2,)``.
 
     Returns:
-        float64 tensor of shape ``P + (rotary_dim // 2,)`` on ``positions.device``
-        (computed on the CPU for devices without float64, then moved).
+        float64 tensor of shape ``P + (rotary_dim // 2,)`` on ``positions.device``, or on
+        the CPU for devices without float64 (MPS), where a float64 tensor cannot live.
     """
     check_positions(positions)
+    if not isinstance(inv_freq, torch.Tensor):
+        raise TypeError(f"inv_freq must be a torch.Tensor of shape (rotary_dim // 2,), got {type(inv_freq).__name__}")
     if inv_freq.dim() != 1:
         raise ValueError(f"inv_freq must be 1-D (rotary_dim // 2,), got shape {tuple(inv_freq.shape)}")
     device = positions.device
-    work = device if device.type not in ("mps",) else torch.device("cpu")
-    angles = positions.to(work, torch.float64).unsqueeze(-1) * inv_freq.to(work, torch.float64)
-    return angles.to(device)
+    work = device if device.type not in _NO_FLOAT64 else torch.device("cpu")
+    return positions.to(work, torch.float64).unsqueeze(-1) * inv_freq.to(work, torch.float64)
 
 
 def cos_sin(
@@ -128,4 +131,5 @@ def cos_sin(
     if scale != 1.0:
         cos = cos * scale
         sin = sin * scale
-    return cos.to(torch.float32), sin.to(torch.float32)
+    # round to float32 before moving: the angles may sit on the CPU (see rotation_angles)
+    return cos.to(torch.float32).to(positions.device), sin.to(torch.float32).to(positions.device)

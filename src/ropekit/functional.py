@@ -30,7 +30,7 @@ def _expand_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tup
     lead = (1,) * (x.dim() - cos.dim())
     cos = cos.reshape(lead + tuple(cos.shape))
     sin = sin.reshape(lead + tuple(sin.shape))
-    for axis, (t, n) in enumerate(zip(cos.shape[:-1], x.shape[:-1])):
+    for axis, (t, n) in enumerate(zip(cos.shape[:-1], x.shape[:-1], strict=True)):
         if t not in (1, n):
             raise ValueError(
                 f"cos/sin of shape {tuple(cos.shape)} do not broadcast against x of shape {tuple(x.shape)} "
@@ -60,7 +60,13 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
         cos, sin = ctx.saved_tensors
-        grad_x = ctx.rotate(grad, cos, sin, layout=ctx.layout, conjugate=True, inplace=False)
+        if torch.is_grad_enabled():
+            # create_graph=True (double backward): the backward is itself a rotation (by -theta),
+            # so express it through this Function to keep it differentiable; the raw kernel
+            # cannot write a grad-requiring result into its preallocated output.
+            grad_x = _Rotary.apply(grad, cos, -sin, ctx.layout, False, ctx.rotate)
+        else:
+            grad_x = ctx.rotate(grad, cos, sin, layout=ctx.layout, conjugate=True, inplace=False)
         return grad_x, None, None, None, None, None
 
 

@@ -47,11 +47,24 @@ def _leading_chunks(
     for start in range(0, rows, step):
         length = min(step, rows - start)
         if length == 1 and per_row > budget:
-            pick = (lambda t, i=start: t[i] if t.shape[0] != 1 else t[0])
-            yield from _leading_chunks(x[start], pick(cos), pick(sin), dest[start], budget)
+            yield from _leading_chunks(x[start], _row(cos, start), _row(sin, start), dest[start], budget)
             continue
-        narrow = (lambda t, s=start, n=length: t.narrow(0, s, n) if t.shape[0] != 1 else t)
-        yield x.narrow(0, start, length), narrow(cos), narrow(sin), dest.narrow(0, start, length)
+        yield (
+            x.narrow(0, start, length),
+            _rows(cos, start, length),
+            _rows(sin, start, length),
+            dest.narrow(0, start, length),
+        )
+
+
+def _row(table: torch.Tensor, index: int) -> torch.Tensor:
+    """Row ``index`` of a table whose first axis is either full or broadcast (size 1)."""
+    return table[index] if table.shape[0] != 1 else table[0]
+
+
+def _rows(table: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Rows ``start : start + length`` of a table whose first axis is either full or broadcast."""
+    return table.narrow(0, start, length) if table.shape[0] != 1 else table
 
 
 def rotate(

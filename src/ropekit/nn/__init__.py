@@ -1,5 +1,15 @@
 """Modules: rotary embedding, attention with RoPE (softmax and linear), absolute encodings."""
 
+from .absolute import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+from .attention import KVCache, RotarySelfAttention
+from .linear_attention import RotaryLinearAttention
 from .rotary import RotaryEmbedding
 
-__all__ = ["RotaryEmbedding"]
+__all__ = [
+    "KVCache",
+    "LearnedPositionalEmbedding",
+    "RotaryEmbedding",
+    "RotaryLinearAttention",
+    "RotarySelfAttention",
+    "SinusoidalPositionalEncoding",
+]

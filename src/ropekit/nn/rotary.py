@@ -64,6 +64,7 @@ class RotaryEmbedding(nn.Module):
         self._dynamic_seq_len: int | None = None
 
     def extra_repr(self) -> str:
+        """The constructor arguments shown by ``repr(module)``."""
         return (
             f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base:g}, "
             f"layout={self.layout!r}, scaling={self.scaling!r}"
@@ -102,7 +103,9 @@ class RotaryEmbedding(nn.Module):
         needed = int(positions.max()) + 1
         self._refresh_dynamic(needed)
         cos, sin = self.tables(needed, positions.device)
-        return cos[positions], sin[positions]
+        # index with int64: uint8 indices would act as a boolean mask, int8/int16 are rejected
+        index = positions.to(torch.int64)
+        return cos[index], sin[index]
 
     # -- apply ------------------------------------------------------------------------------
     def _positions(self, seq: int, positions: torch.Tensor | None, offset: Any, device: torch.device) -> torch.Tensor:
@@ -192,3 +195,36 @@ class RotaryEmbedding(nn.Module):
         q_out = self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace)
         k_out = None if k is None else self.rotate(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace)
         return q_out, k_out
+
+    # -- construction from configs ------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: Any, *, backend: str = "auto") -> RotaryEmbedding:
+        """Build from a :class:`ropekit.RopeConfig` (head_dim, rotary_dim, base, layout, scaling)."""
+        return cls(
+            config.head_dim,
+            base=config.base,
+            rotary_dim=config.rotary_dim,
+            layout=config.layout,
+            scaling=config.scaling,
+            backend=backend,
+        )
+
+    @classmethod
+    def from_hf(
+        cls,
+        config: Any,
+        *,
+        layer_type: str | None = None,
+        layout: str | None = None,
+        fixed_seq_len: int | None = None,
+        backend: str = "auto",
+    ) -> RotaryEmbedding:
+        """Build from a Hugging Face ``config.json`` dict or config object.
+
+        Arguments as in :meth:`ropekit.RopeConfig.from_hf`; the attention scale (YaRN,
+        LongRoPE) is folded into both cos and sin, where Hugging Face applies it.
+        """
+        from ..config import RopeConfig
+
+        rope = RopeConfig.from_hf(config, layer_type=layer_type, layout=layout, fixed_seq_len=fixed_seq_len)
+        return cls.from_config(rope, backend=backend)

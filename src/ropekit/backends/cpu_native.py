@@ -1,0 +1,310 @@
+"""Native CPU kernel: ``csrc/rotary.c`` compiled at first use with the system C compiler.
+
+Same contract as :func:`ropekit.backends.torch_eager.rotate`, one pass over ``x``: in place it
+reads and writes each element once; out of place it writes into ``torch.empty_like(x)`` (no
+temporary of ``x``'s size). Arithmetic is float32 (float64 for float64 ``x``) without FMA
+contraction, so results equal the eager backend's bit for bit.
+
+The shared library is built with ``cc -O3 -march=native -ffp-contract=off`` into a per-user
+cache (``$ROPEKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/ropekit``, else ``~/.cache/ropekit``)
+under a name keyed by the source, flags, compiler version and CPU, written atomically.
+``ROPEKIT_CC`` (else ``CC``) picks the compiler; ``ROPEKIT_DISABLE_NATIVE=1`` turns the
+backend off. Nothing happens at import: the first :func:`is_available` or :func:`rotate`
+compiles (about a second), and a failure is reported once as a ``RuntimeWarning`` and
+remembered, after which :func:`is_available` is ``False``.
+
+ctypes releases the GIL during the call, so large tensors are split by rows over
+``torch.get_num_threads()`` Python threads (the calling thread takes one share).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from . import torch_eager
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "rotary.c"
+# -ffp-contract=off: no FMA, so the float32 arithmetic is the eager backend's, bit for bit.
+FLAG_SETS = (
+    ("-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared"),
+    ("-O3", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared"),  # compilers without -march=native
+)
+MAX_LEADING_DIMS = 8
+# Below this many bytes of x one call on the calling thread beats handing rows to a pool.
+PARALLEL_MIN_BYTES = 1 << 20
+# From this many bytes of x on, rows are visited in the order of _plan (memory order, G streams).
+PLAN_MIN_BYTES = 1 << 18
+# Rows taken round-robin from this many separate runs of memory (see _plan).
+STREAMS = 4
+
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
+_FLAG_INTERLEAVED, _FLAG_CONJUGATE, _FLAG_COPY_TAIL = 1, 2, 4
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "functions": {dtype: fn} once loaded, "error": str once failed
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def cache_dir() -> Path:
+    """Directory holding the compiled libraries (created on demand)."""
+    explicit = os.environ.get("ROPEKIT_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ropekit"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("ROPEKIT_CC"), os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on, so a shared cache never serves another CPU's build."""
+    text = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.split(":")[0].strip() in ("flags", "Features", "model name"):
+                    text += line
+                if line.strip() == "":  # the first processor's block is enough
+                    break
+    except OSError:
+        pass
+    return text
+
+
+def _build(compiler: str) -> Path:
+    """Compile the source (cached), trying each flag set in turn; return the library's path."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=60, check=False
+    ).stdout
+    source = SOURCE.read_bytes()
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(
+            b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_signature().encode(),
+                        platform.machine().encode()])
+        ).hexdigest()[:20]
+        target = cache_dir() / f"rotary-{key}.so"
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".rotary-", suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run(
+                [compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300, check=False
+            )
+            if done.returncode == 0:
+                os.replace(tmp, target)
+                return target
+            errors.append(f"{compiler} {' '.join(flags)}: {done.stderr.strip()[-2000:]}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError("; ".join(errors))
+
+
+def _load() -> dict[torch.dtype, object]:
+    """The per-dtype C functions, building the library on first call; raises RuntimeError."""
+    functions = _state.get("functions")
+    if functions is not None:
+        return functions  # type: ignore[return-value]
+    with _lock:
+        if "functions" in _state:
+            return _state["functions"]  # type: ignore[return-value]
+        if "error" not in _state:
+            try:
+                _state["functions"] = _open_library()
+                return _state["functions"]  # type: ignore[return-value]
+            except Exception as exc:  # noqa: BLE001 - any failure means "not available"
+                _state["error"] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(
+                    f"ropekit native CPU backend unavailable, using the torch backend instead ({_state['error']})",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        raise RuntimeError(f"ropekit native CPU backend unavailable: {_state['error']}")
+
+
+def _open_library() -> dict[torch.dtype, object]:
+    if os.environ.get("ROPEKIT_DISABLE_NATIVE", "") not in ("", "0"):
+        raise RuntimeError("disabled by ROPEKIT_DISABLE_NATIVE")
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64", "aarch64", "arm64"):
+        raise RuntimeError(f"unsupported machine {machine!r} (x86-64 and arm64 only)")
+    if sys.byteorder != "little":
+        raise RuntimeError("big-endian machines are not supported")
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set ROPEKIT_CC or CC, or install cc/gcc/clang)")
+    library = ctypes.CDLL(str(_build(compiler)))
+    functions = {}
+    for dtype, suffix in _SUFFIX.items():
+        fn = getattr(library, f"ropekit_rotate_{suffix}")
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64]
+        fn.restype = ctypes.c_int
+        functions[dtype] = fn
+    return functions
+
+
+def is_available() -> bool:
+    """Whether the native kernel is usable here (compiles it on first call; never raises)."""
+    try:
+        _load()
+    except RuntimeError:
+        return False
+    return True
+
+
+def supports(x: torch.Tensor, inplace: bool = False) -> bool:
+    """Whether :func:`rotate` runs ``x`` natively (else it falls back to the eager backend).
+
+    Needs a CPU tensor of float32/float64/bfloat16/float16 with last-dim stride 1 (or one
+    channel), at most 8 leading dims, and for ``inplace`` no leading dim aliased by stride 0.
+    """
+    if x.device.type != "cpu" or x.dtype not in _SUFFIX or x.dim() - 1 > MAX_LEADING_DIMS or x.dim() == 0:
+        return False
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        return False
+    if inplace and any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+        return False
+    return True
+
+
+def _table(t: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    if t.dtype != work or t.device.type != "cpu":
+        t = t.to(device="cpu", dtype=work)
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()
+    return t
+
+
+def _plan(sizes: list[int], strides: list[list[int]], streams: int) -> tuple[list[int], list[list[int]]]:
+    """Reorder the leading dims (the rows' visiting order; results do not depend on it).
+
+    1. drop dims of size 1, sort by x's stride (memory order), merge dims that are one run
+       in x, out, cos and sin alike;
+    2. split the next-to-innermost dim (else the innermost) in ``streams`` blocks and visit
+       them round-robin: one core then keeps several hardware prefetch streams busy, which
+       beats a single stream, and rows of different heads sharing a table row (cos/sin
+       broadcast over heads) read that row once for all of them.
+
+    ``strides`` holds four lists (x, out, cos, sin); returns the new sizes and strides.
+    """
+    dims = [(n, tuple(st[d] for st in strides)) for d, n in enumerate(sizes) if n != 1]
+    dims.sort(key=lambda dim: -abs(dim[1][0]))
+    merged: list[tuple[int, tuple[int, ...]]] = []
+    for n, st in dims:
+        if merged and all(outer == inner * n for outer, inner in zip(merged[-1][1], st)):
+            merged[-1] = (merged[-1][0] * n, st)
+        else:
+            merged.append((n, st))
+    split = len(merged) - 2 if len(merged) >= 2 and merged[-2][0] % streams == 0 else len(merged) - 1
+    if streams > 1 and merged and merged[split][0] % streams == 0 and merged[split][0] > streams:
+        n, st = merged[split]
+        block = n // streams
+        merged[split] = (block, st)
+        merged.append((streams, tuple(s * block for s in st)))
+    if not merged:
+        merged = [(1, (0, 0, 0, 0))]
+    return [n for n, _ in merged], [[st[k] for _, st in merged] for k in range(4)]
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool, _pool_size
+    with _lock:
+        if _pool is None or _pool_size < workers:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ropekit-cpu")
+            _pool_size = workers
+        return _pool
+
+
+def _call(fn, args: tuple, rows: int, nbytes: int, min_parallel_bytes: int) -> None:
+    threads = min(torch.get_num_threads(), rows)
+    if threads <= 1 or nbytes < min_parallel_bytes:
+        status = fn(*args, 0, rows)
+    else:
+        bounds = [rows * i // threads for i in range(threads + 1)]
+        pool = _executor(threads - 1)
+        futures = [pool.submit(fn, *args, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+        status = fn(*args, bounds[0], bounds[1])
+        status = min([status] + [f.result() for f in futures])
+    if status != 0:
+        raise RuntimeError(f"ropekit native kernel rejected its arguments (status {status}); this is a bug")
+
+
+def rotate(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    layout: str,
+    conjugate: bool = False,
+    inplace: bool = False,
+    min_parallel_bytes: int | None = None,
+) -> torch.Tensor:
+    """Rotate the first ``2 * cos.shape[-1]`` channels of ``x``; the eager backend's contract.
+
+    Args:
+        x: tensor of shape ``(..., head_dim)`` on the CPU.
+        cos, sin: tables broadcastable to ``x.shape[:-1] + (rotary_dim // 2,)`` with
+            ``x.dim()`` dimensions (float32; float64 for float64 ``x``; others are converted).
+        layout: ``"half"`` or ``"interleaved"``.
+        conjugate: rotate by ``-theta`` (the backward pass).
+        inplace: write into ``x`` and return it; otherwise return ``torch.empty_like(x)`` filled.
+        min_parallel_bytes: split over threads from this size of ``x`` on
+            (default :data:`PARALLEL_MIN_BYTES`).
+
+    Returns:
+        ``x`` itself (in place) or a new tensor with ``x``'s shape, dtype and strides.
+        Inputs the kernel does not take (see :func:`supports`) go to the eager backend.
+
+    Raises:
+        RuntimeError: the native library could not be built or loaded.
+    """
+    fn = _load().get(x.dtype)
+    if fn is None or not supports(x, inplace):
+        return torch_eager.rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+    out = x if inplace else torch.empty_like(x)
+    if x.numel() == 0:
+        return out
+    work = torch_eager.compute_dtype(x.dtype)
+    cos, sin = _table(cos, work), _table(sin, work)
+    half = cos.shape[-1]
+    lead = x.shape[:-1]
+    flags = (_FLAG_INTERLEAVED if layout == "interleaved" else 0) | (_FLAG_CONJUGATE if conjugate else 0)
+    if not inplace:
+        flags |= _FLAG_COPY_TAIL
+    sizes = list(lead)
+    strides = [[0 if t.shape[d] == 1 else t.stride(d) for d in range(len(lead))] for t in (x, out, cos, sin)]
+    nbytes = x.numel() * x.element_size()
+    if nbytes >= PLAN_MIN_BYTES:
+        sizes, strides = _plan(sizes, strides, STREAMS)
+    params = (ctypes.c_int64 * (8 + 5 * len(sizes)))(
+        len(sizes), half, x.shape[-1], flags, 1, 1, 1, 1, *sizes, *strides[0], *strides[1], *strides[2], *strides[3]
+    )
+    rows = x.numel() // x.shape[-1]
+    threshold = PARALLEL_MIN_BYTES if min_parallel_bytes is None else min_parallel_bytes
+    args = (x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), params)
+    _call(fn, args, rows, nbytes, threshold)
+    return out

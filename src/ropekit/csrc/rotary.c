@@ -1,0 +1,236 @@
+/*
+ * ropekit native CPU rotary kernel: plain C99, no dependency beyond libc.
+ *
+ * Compiled at first use by ropekit/backends/cpu_native.py and called through ctypes.
+ * For every "row" (one head vector of head_dim channels) and every rotary pair (x1, x2):
+ *
+ *     y1 = x1 * c - x2 * s
+ *     y2 = x2 * c + x1 * s          (conjugate: s -> -s, i.e. rotation by -theta)
+ *
+ * computed in float (double for double input) and rounded once to the element type, exactly
+ * the expression of the torch eager backend. Built with -ffp-contract=off (no FMA), so float32
+ * and float64 results are bit-identical to eager, and bf16/fp16 results are too (same float32
+ * value, same round-to-nearest-even). Layouts: "half" pairs (i, i + h), "interleaved" pairs
+ * (2i, 2i + 1), h = rotary_dim / 2. Channels [2h, head_dim) are copied when out of place
+ * (flag COPY_TAIL) and left alone in place.
+ *
+ * One exported function per element type, all with the same signature:
+ *
+ *   int ropekit_rotate_<t>(void *x, void *out, const void *cos, const void *sin,
+ *                          const int64_t *params, int64_t row_begin, int64_t row_end);
+ *
+ *   t = f32, f64, bf16, f16. cos/sin are float (double for f64). out == x means in place.
+ *   params (int64, element units):
+ *     [0] L, the number of leading dims (0..8); rows are their C-order flattening
+ *     [1] h, rotary half width           [2] head_dim
+ *     [3] flags: 1 interleaved, 2 conjugate, 4 copy tail
+ *     [4..7] last-dim strides of x, out, cos, sin: must be 1
+ *     [8 .. 8+L)  sizes of the leading dims
+ *     then L strides each for x, out, cos, sin (0 where cos/sin broadcast)
+ *   Rows [row_begin, row_end) are processed, so threads can split one call's rows.
+ *   Returns 0, or -1 when params are out of range (nothing is written then).
+ *
+ * The loops are written for gcc/clang -O3 auto-vectorisation: contiguous runs x[i], x[i+h] for
+ * "half", stride-2 pairs for "interleaved"; a separate in-place variant (one pointer) so the
+ * out-of-place one can promise no aliasing.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define ROPEKIT_MAX_DIMS 8
+#define FLAG_INTERLEAVED 1
+#define FLAG_CONJUGATE 2
+#define FLAG_COPY_TAIL 4
+
+/* ---- element conversions (bit manipulation, branch-free so loops still vectorise) ---- */
+
+static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* All-ones when cond holds, else zero: selects by masking keep the loops free of branches. */
+static inline uint32_t mask_if(int cond) { return (uint32_t)0 - (uint32_t)(cond != 0); }
+static inline uint32_t select_u32(uint32_t m, uint32_t a, uint32_t b) { return (a & m) | (b & ~m); }
+
+/* bfloat16 is the upper half of a float32. */
+static inline float bf16_load(uint16_t v) { return f32_from_bits((uint32_t)v << 16); }
+
+/* Round to nearest even; NaN -> 0x7FC0 (what torch's c10::BFloat16 produces). The NaN select
+   happens on 32-bit lanes before the shift, which keeps the vectorised loop short. */
+static inline uint16_t bf16_store(float f) {
+    uint32_t u = f32_bits(f);
+    uint32_t rounded = u + 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(select_u32(mask_if(f != f), 0x7FC00000u, rounded) >> 16);
+}
+
+/* IEEE binary16 -> float, exact (normals, subnormals, zeros, inf, NaN keep their payload). */
+static inline float f16_load(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t em = (uint32_t)(h & 0x7FFFu);
+    uint32_t normal = (em << 13) + ((uint32_t)(127 - 15) << 23);        /* rebias exponent */
+    uint32_t special = (em << 13) | 0x7F800000u;                        /* inf / NaN */
+    uint32_t sub = f32_bits((float)(int32_t)em * 5.9604644775390625e-8f); /* em * 2^-24, exact */
+    uint32_t mag = select_u32(mask_if(em >= 0x7C00u), special,
+                              select_u32(mask_if(em >= 0x0400u), normal, sub));
+    return f32_from_bits(sign | mag);
+}
+
+/* float -> IEEE binary16, round to nearest even; overflow -> inf; NaN -> quiet NaN 0x7E00. */
+static inline uint16_t f16_store(float f) {
+    uint32_t u = f32_bits(f);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t a = u & 0x7FFFFFFFu;
+    /* normal results: drop 13 mantissa bits with round-to-nearest-even, rebias exponent */
+    uint32_t normal = (a + ((uint32_t)(15 - 127) << 23) + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+    /* subnormal results (|f| < 2^-14): adding 0.5 aligns the value to the 2^-24 grid with
+       the FPU's own round-to-nearest-even; the low bits of the sum are the fp16 bits */
+    uint32_t sub = f32_bits(f32_from_bits(a) + 0.5f) - 0x3F000000u;
+    uint32_t mag = select_u32(mask_if(a > 0x7F800000u), 0x7E00u,
+                   select_u32(mask_if(a >= 0x477FF000u), 0x7C00u,              /* rounds to >= 65520 */
+                   select_u32(mask_if(a >= 0x38800000u), normal, sub)));
+    return (uint16_t)(sign | mag);
+}
+
+static inline float f32_load(float v) { return v; }
+static inline float f32_store(float v) { return v; }
+static inline double f64_load(double v) { return v; }
+static inline double f64_store(double v) { return v; }
+
+/* ---- row kernels: one head vector; sg is +1 or -1 (exact), folding the conjugate flag ---- */
+
+/* The in-place kernels take the row as two restrict pointers to disjoint parts (halves, or the
+   even/odd channels' common base for "interleaved"), so the compiler needs no aliasing checks. */
+#define ROPEKIT_ROW_KERNELS(NAME, T, CT)                                                      \
+static void NAME##_half_inplace(T *restrict lo, T *restrict hi, const CT *restrict c,         \
+                                const CT *restrict s, int64_t h, CT sg) {                     \
+    for (int64_t i = 0; i < h; i++) {                                                         \
+        CT a = NAME##_load(lo[i]), b = NAME##_load(hi[i]), cc = c[i], ss = s[i] * sg;         \
+        lo[i] = NAME##_store(a * cc - b * ss);                                                \
+        hi[i] = NAME##_store(b * cc + a * ss);                                                \
+    }                                                                                         \
+}                                                                                             \
+static void NAME##_half_copy(const T *restrict x, T *restrict o, const CT *restrict c,        \
+                             const CT *restrict s, int64_t h, CT sg) {                        \
+    for (int64_t i = 0; i < h; i++) {                                                         \
+        CT a = NAME##_load(x[i]), b = NAME##_load(x[i + h]), cc = c[i], ss = s[i] * sg;       \
+        o[i] = NAME##_store(a * cc - b * ss);                                                 \
+        o[i + h] = NAME##_store(b * cc + a * ss);                                             \
+    }                                                                                         \
+}                                                                                             \
+static void NAME##_inter_inplace(T *restrict p, const CT *restrict c, const CT *restrict s,   \
+                                 int64_t h, CT sg) {                                          \
+    for (int64_t i = 0; i < h; i++) {                                                         \
+        CT a = NAME##_load(p[2 * i]), b = NAME##_load(p[2 * i + 1]), cc = c[i], ss = s[i] * sg; \
+        p[2 * i] = NAME##_store(a * cc - b * ss);                                             \
+        p[2 * i + 1] = NAME##_store(b * cc + a * ss);                                         \
+    }                                                                                         \
+}                                                                                             \
+static void NAME##_inter_copy(const T *restrict x, T *restrict o, const CT *restrict c,       \
+                              const CT *restrict s, int64_t h, CT sg) {                       \
+    for (int64_t i = 0; i < h; i++) {                                                         \
+        CT a = NAME##_load(x[2 * i]), b = NAME##_load(x[2 * i + 1]), cc = c[i], ss = s[i] * sg; \
+        o[2 * i] = NAME##_store(a * cc - b * ss);                                             \
+        o[2 * i + 1] = NAME##_store(b * cc + a * ss);                                         \
+    }                                                                                         \
+}
+
+/* ---- walking the rows: an odometer over the leading dims, four offsets kept in step ---- */
+
+typedef struct {
+    int64_t ndim, h, head_dim, flags;
+    const int64_t *size, *stride[4]; /* stride[0..3]: x, out, cos, sin */
+    int64_t index[ROPEKIT_MAX_DIMS];
+    int64_t offset[4];
+} rows_t;
+
+static int rows_init(rows_t *r, const int64_t *params, int64_t row_begin, int64_t row_end) {
+    r->ndim = params[0];
+    r->h = params[1];
+    r->head_dim = params[2];
+    r->flags = params[3];
+    if (r->ndim < 0 || r->ndim > ROPEKIT_MAX_DIMS || r->h < 0 || r->head_dim < 2 * r->h)
+        return -1;
+    for (int k = 0; k < 4; k++)
+        if (params[4 + k] != 1 && r->h > 0) return -1;
+    r->size = params + 8;
+    int64_t rows = 1;
+    for (int64_t d = 0; d < r->ndim; d++) {
+        if (r->size[d] < 0) return -1;
+        rows *= r->size[d];
+    }
+    if (row_begin < 0 || row_end > rows || row_begin > row_end) return -1;
+    for (int k = 0; k < 4; k++) {
+        r->stride[k] = params + 8 + (k + 1) * r->ndim;
+        r->offset[k] = 0;
+    }
+    int64_t rest = row_begin;
+    for (int64_t d = r->ndim - 1; d >= 0; d--) {
+        r->index[d] = rest % r->size[d];
+        rest /= r->size[d];
+        for (int k = 0; k < 4; k++) r->offset[k] += r->index[d] * r->stride[k][d];
+    }
+    return 0;
+}
+
+/* Advance past the innermost leading dim's end (the caller stepped it); carry outwards. */
+static void rows_carry(rows_t *r) {
+    for (int64_t d = r->ndim - 1; d > 0 && r->index[d] == r->size[d]; d--) {
+        for (int k = 0; k < 4; k++) r->offset[k] -= r->size[d] * r->stride[k][d];
+        r->index[d] = 0;
+        r->index[d - 1]++;
+        for (int k = 0; k < 4; k++) r->offset[k] += r->stride[k][d - 1];
+    }
+}
+
+/* ---- the exported entry points ---- */
+
+#define ROPEKIT_ENTRY(NAME, T, CT)                                                            \
+ROPEKIT_ROW_KERNELS(NAME, T, CT)                                                              \
+int ropekit_rotate_##NAME(void *x, void *out, const void *cos, const void *sin,               \
+                          const int64_t *params, int64_t row_begin, int64_t row_end) {        \
+    rows_t r;                                                                                 \
+    if (rows_init(&r, params, row_begin, row_end)) return -1;                                 \
+    const int interleaved = (r.flags & FLAG_INTERLEAVED) != 0;                                \
+    const int inplace = x == out;                                                             \
+    const CT sg = (r.flags & FLAG_CONJUGATE) ? (CT)-1 : (CT)1;                                \
+    const int64_t h = r.h, tail = (r.flags & FLAG_COPY_TAIL) && !inplace ? r.head_dim - 2 * h : 0; \
+    const int64_t last = r.ndim > 0 ? r.ndim - 1 : 0;                                        \
+    const int64_t inner = r.ndim > 0 ? r.size[last] : 1;                                      \
+    int64_t sx = 0, so = 0, sc = 0, ss = 0;                                                   \
+    if (r.ndim > 0) {                                                                         \
+        sx = r.stride[0][last]; so = r.stride[1][last];                                       \
+        sc = r.stride[2][last]; ss = r.stride[3][last];                                       \
+    }                                                                                         \
+    int64_t row = row_begin;                                                                  \
+    while (row < row_end) {                                                                   \
+        int64_t start = r.ndim > 0 ? r.index[last] : 0;                                       \
+        int64_t n = inner - start < row_end - row ? inner - start : row_end - row;            \
+        T *xr = (T *)x + r.offset[0];                                                         \
+        T *orow = (T *)out + r.offset[1];                                                     \
+        const CT *cr = (const CT *)cos + r.offset[2];                                         \
+        const CT *sr = (const CT *)sin + r.offset[3];                                         \
+        for (int64_t j = 0; j < n; j++) {                                                     \
+            if (inplace) {                                                                    \
+                if (interleaved) NAME##_inter_inplace(xr, cr, sr, h, sg);                     \
+                else NAME##_half_inplace(xr, xr + h, cr, sr, h, sg);                                  \
+            } else {                                                                          \
+                if (interleaved) NAME##_inter_copy(xr, orow, cr, sr, h, sg);                  \
+                else NAME##_half_copy(xr, orow, cr, sr, h, sg);                               \
+                if (tail > 0) memcpy(orow + 2 * h, xr + 2 * h, (size_t)tail * sizeof(T));    \
+            }                                                                                 \
+            xr += sx; orow += so; cr += sc; sr += ss;                                         \
+        }                                                                                     \
+        row += n;                                                                             \
+        if (r.ndim > 0) {                                                                     \
+            r.index[last] += n;                                                               \
+            r.offset[0] += n * sx; r.offset[1] += n * so;                                     \
+            r.offset[2] += n * sc; r.offset[3] += n * ss;                                     \
+            rows_carry(&r);                                                                   \
+        }                                                                                     \
+    }                                                                                         \
+    return 0;                                                                                 \
+}
+
+ROPEKIT_ENTRY(f32, float, float)
+ROPEKIT_ENTRY(f64, double, double)
+ROPEKIT_ENTRY(bf16, uint16_t, float)
+ROPEKIT_ENTRY(f16, uint16_t, float)

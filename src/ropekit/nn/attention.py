@@ -1,0 +1,360 @@
+"""Multi-head softmax self-attention with RoPE (RoFormer eq. 16) and a key/value cache.
+
+``RotarySelfAttention`` is the module of the seed's ``SelfAttentionWithRoPE`` grown to
+what a decoder layer needs: grouped-query attention, partial rotary, a KV cache for
+incremental decoding, padded batches with per-row positions. Scores are
+
+    softmax((R_m q_m)^T (R_n k_n) / sqrt(head_dim)) = softmax(q_m^T R_{n-m} k_n / sqrt(head_dim))
+
+so they depend on positions only through ``n - m``; the attention itself is
+:func:`torch.nn.functional.scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .rotary import RotaryEmbedding
+
+# ``enable_gqa`` appeared in torch 2.5; older versions get k/v repeated per query head.
+_SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
+
+def positive_int(value: Any, name: str) -> int:
+    """Return ``value`` if it is a positive int, else raise ``TypeError``/``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def resolve_head_dim(embed_dim: int, num_heads: int, head_dim: int | None) -> int:
+    """``head_dim``, or ``embed_dim // num_heads`` when not given; always a positive even int."""
+    if head_dim is None:
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}) when head_dim is not given"
+            )
+        head_dim = embed_dim // num_heads
+        if head_dim % 2:
+            raise ValueError(
+                f"head_dim = embed_dim // num_heads = {embed_dim} // {num_heads} = {head_dim} must be even "
+                "(RoPE rotates channel pairs); pass an even head_dim explicitly"
+            )
+        return head_dim
+    head_dim = positive_int(head_dim, "head_dim")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even (RoPE rotates channel pairs), got {head_dim}")
+    return head_dim
+
+
+def build_rope(
+    head_dim: int,
+    rope: RotaryEmbedding | None,
+    *,
+    rotary_dim: int | None,
+    base: float,
+    layout: str,
+    scaling: Any,
+) -> RotaryEmbedding:
+    """The module's :class:`RotaryEmbedding`: ``rope`` itself (checked) or a new one."""
+    if rope is None:
+        return RotaryEmbedding(head_dim, base=base, rotary_dim=rotary_dim, layout=layout, scaling=scaling)
+    if not isinstance(rope, RotaryEmbedding):
+        raise TypeError(f"rope must be a ropekit.RotaryEmbedding or None, got {type(rope).__name__}")
+    if rope.head_dim != head_dim:
+        raise ValueError(f"rope was built for head_dim={rope.head_dim} but this module has head_dim={head_dim}")
+    if rotary_dim is not None or base != 10000.0 or layout != "half" or scaling is not None:
+        raise ValueError(
+            "pass either rope or rotary_dim/base/layout/scaling, not both: a given rope already fixes them"
+        )
+    return rope
+
+
+def check_input(x: Any, embed_dim: int) -> tuple[int, int]:
+    """Check that ``x`` is a float ``(batch, seq, embed_dim)`` tensor; return ``(batch, seq)``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x must have a floating dtype, got {x.dtype}")
+    if x.dim() != 3 or x.shape[-1] != embed_dim:
+        raise ValueError(f"x must have shape (batch, seq, embed_dim={embed_dim}), got {tuple(x.shape)}")
+    return x.shape[0], x.shape[1]
+
+
+class KVCache:
+    """Rotated keys and values of the tokens seen so far, for one attention layer.
+
+    ``k`` and ``v`` are ``None`` while empty, then tensors of shape
+    ``(batch, kv_heads, length, head_dim)``. Keys are stored *after* the rotation
+    (as in Hugging Face): a cached key never needs its position again, and the
+    cache is valid for any later query position.
+
+    Each :meth:`update` concatenates; this is the plain, allocation-per-step cache,
+    meant to be obviously correct rather than fast. Use one cache per layer.
+
+    Example::
+
+        cache = KVCache()
+        out = attn(prompt, cache=cache)                 # positions 0 .. P-1
+        out = attn(next_token, cache=cache)             # position P, sees all P+1 keys
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Number of cached tokens (0 when empty)."""
+        return 0 if self.k is None else self.k.shape[-2]
+
+    def __repr__(self) -> str:
+        shape = None if self.k is None else tuple(self.k.shape)
+        return f"KVCache(length={self.length}, shape={shape})"
+
+    def reset(self) -> None:
+        """Drop every cached token."""
+        self.k = None
+        self.v = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new keys and values; return all of them.
+
+        Args:
+            k: rotated keys of the new tokens, ``(batch, kv_heads, new, head_dim)``.
+            v: values of the new tokens, same shape as ``k``.
+
+        Returns:
+            ``(k_all, v_all)`` of shape ``(batch, kv_heads, length + new, head_dim)``
+            (``length`` before the call), the cached tokens first.
+        """
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(
+                    f"{name} must be a (batch, kv_heads, seq, head_dim) tensor, got {getattr(t, 'shape', t)}"
+                )
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if self.k is None or self.v is None:
+            self.k, self.v = k, v
+            return k, v
+        cached = self.k.shape
+        if (k.shape[0], k.shape[1], k.shape[3]) != (cached[0], cached[1], cached[3]):
+            raise ValueError(
+                f"k of shape {tuple(k.shape)} does not extend the cache of shape {tuple(cached)}: "
+                "batch, kv_heads and head_dim must match"
+            )
+        if k.dtype != self.k.dtype or k.device != self.k.device:
+            raise ValueError(
+                f"k is {k.dtype} on {k.device} but the cache holds {self.k.dtype} on {self.k.device}"
+            )
+        self.k = torch.cat((self.k, k), dim=-2)
+        self.v = torch.cat((self.v, v), dim=-2)
+        return self.k, self.v
+
+
+def attention_bias_mask(
+    batch: int,
+    q_len: int,
+    k_len: int,
+    *,
+    causal: bool,
+    attention_mask: torch.Tensor | None,
+    device: torch.device,
+) -> tuple[torch.Tensor | None, bool]:
+    """Boolean SDPA mask (``True`` = attend) and the ``is_causal`` flag for one call.
+
+    Causal masking is *bottom-right aligned*: the ``q_len`` queries are the last
+    ``q_len`` of the ``k_len`` keys, so query ``i`` sees keys ``0 .. k_len - q_len + i``.
+    SDPA's ``is_causal`` is top-left aligned, so it is used only when
+    ``q_len == k_len`` and there is no padding mask.
+
+    Returns:
+        ``(mask, is_causal)`` with ``mask`` ``None`` or of shape ``(batch or 1, 1, q_len, k_len)``.
+    """
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+            raise TypeError(
+                "attention_mask must be a bool tensor (True = attend), got "
+                f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)}"
+            )
+        if attention_mask.shape != (batch, k_len):
+            raise ValueError(
+                f"attention_mask must have shape (batch, key_len) = ({batch}, {k_len}) (key_len counts cached "
+                f"tokens too), got {tuple(attention_mask.shape)}"
+            )
+        if attention_mask.device != device:
+            raise ValueError(f"attention_mask is on {attention_mask.device} but x is on {device}")
+    if attention_mask is None:
+        if not causal or q_len == 1:
+            return None, False
+        if q_len == k_len:
+            return None, True
+    mask = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        mask = mask.tril(diagonal=k_len - q_len)
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, None, :]
+    return mask, False
+
+
+class RotarySelfAttention(nn.Module):
+    r"""Multi-head self-attention with rotary position embedding and grouped-query heads.
+
+    .. math::
+        \mathrm{out} = W_O\,\mathrm{concat}_h\,\mathrm{softmax}\!\Big(\frac{(R_m W_Q^h x_m)^\top
+        (R_n W_K^{g(h)} x_n)}{\sqrt{d}}\Big) W_V^{g(h)} x_n
+
+    where ``g(h) = h // (num_heads // num_kv_heads)`` is the key/value head of query head ``h``.
+
+    Args:
+        embed_dim: model width ``E`` (input and output channels).
+        num_heads: query heads ``H``.
+        num_kv_heads: key/value heads; must divide ``num_heads``. Default ``num_heads``
+            (multi-head attention); ``1`` is multi-query attention.
+        head_dim: channels per head ``d`` (even); default ``embed_dim // num_heads``.
+        rotary_dim: rotated channels per head (even, ``<= head_dim``); default ``head_dim``.
+        base: RoPE base (``rope_theta``), default 10000.
+        layout: ``"half"`` (HF / GPT-NeoX, default) or ``"interleaved"`` (RoFormer / Meta).
+        scaling: ``None`` or a rule from :mod:`ropekit.scaling`.
+        causal: mask future tokens (decoder); ``False`` for an encoder.
+        bias: add biases to the four projections.
+        dropout: attention-probability dropout, applied in training mode only.
+        rope: a :class:`ropekit.RotaryEmbedding` to use (e.g. shared between layers);
+            then ``rotary_dim``/``base``/``layout``/``scaling`` must be left at their defaults.
+
+    Attributes:
+        q_proj, k_proj, v_proj, o_proj: :class:`torch.nn.Linear` projections named as in
+            Hugging Face models: ``q_proj`` is ``E -> H*d``, ``k_proj``/``v_proj`` are
+            ``E -> num_kv_heads*d``, ``o_proj`` is ``H*d -> E``. Output rows are head-major.
+        rope: the :class:`ropekit.RotaryEmbedding` applied to queries and keys.
+
+    Shapes:
+        ``x``: ``(batch, seq, E)``; output ``(batch, seq, E)`` in ``x``'s dtype.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        rotary_dim: int | None = None,
+        base: float = 10000.0,
+        layout: str = "half",
+        scaling: Any = None,
+        causal: bool = True,
+        bias: bool = False,
+        dropout: float = 0.0,
+        rope: RotaryEmbedding | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed_dim = positive_int(embed_dim, "embed_dim")
+        self.num_heads = positive_int(num_heads, "num_heads")
+        self.num_kv_heads = num_heads if num_kv_heads is None else positive_int(num_kv_heads, "num_kv_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        self.head_dim = resolve_head_dim(self.embed_dim, self.num_heads, head_dim)
+        for name, flag in (("causal", causal), ("bias", bias)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+        self.causal = causal
+        self.dropout = float(dropout)
+        self.rope = build_rope(self.head_dim, rope, rotary_dim=rotary_dim, base=base, layout=layout, scaling=scaling)
+        q_width = self.num_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(self.embed_dim, q_width, bias=bias)
+        self.k_proj = nn.Linear(self.embed_dim, kv_width, bias=bias)
+        self.v_proj = nn.Linear(self.embed_dim, kv_width, bias=bias)
+        self.o_proj = nn.Linear(q_width, self.embed_dim, bias=bias)
+
+    def extra_repr(self) -> str:
+        """The constructor arguments shown by ``repr(module)``."""
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, causal={self.causal}, dropout={self.dropout}"
+        )
+
+    def _split_heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        """``(batch, seq, heads*d)`` -> ``(batch, heads, seq, d)``."""
+        return t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool):
+        dropout_p = self.dropout if self.training else 0.0
+        if self.num_kv_heads == self.num_heads:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        if _SDPA_HAS_GQA:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True
+            )
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend over ``x`` (and the cached tokens).
+
+        Args:
+            x: float tensor ``(batch, seq, embed_dim)``.
+            positions: integer token positions, ``(seq,)`` or ``(batch, seq)`` (padded batches:
+                each row its own positions). Default ``cache.length + arange(seq)``
+                (``arange(seq)`` without a cache).
+            cache: a :class:`KVCache`; the new rotated keys and values are appended to it
+                and the queries attend over all of them. Causal masking then lets the
+                ``seq`` new tokens see every cached token (bottom-right alignment).
+            attention_mask: optional bool ``(batch, key_len)`` key-padding mask, ``True`` =
+                attend, with ``key_len = cache.length + seq`` (``seq`` without a cache);
+                combined with the causal mask. Query rows that can see no key at all
+                (e.g. left padding) give zeros before ``o_proj``.
+
+        Returns:
+            Tensor ``(batch, seq, embed_dim)`` with ``x``'s dtype.
+        """
+        batch, seq = check_input(x, self.embed_dim)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a ropekit.nn.KVCache or None, got {type(cache).__name__}")
+        past = 0 if cache is None else cache.length
+        if cache is not None and cache.k is not None and cache.k.shape[:2] != (batch, self.num_kv_heads):
+            raise ValueError(
+                f"cache holds (batch, kv_heads) = {tuple(cache.k.shape[:2])} but x has batch {batch} and this "
+                f"module has num_kv_heads={self.num_kv_heads}"
+            )
+        q = self._split_heads(self.q_proj(x), self.num_heads)
+        k = self._split_heads(self.k_proj(x), self.num_kv_heads)
+        v = self._split_heads(self.v_proj(x), self.num_kv_heads)
+        if positions is None:
+            q, k = self.rope(q, k, offset=past, seq_dim=-2)
+        else:
+            q, k = self.rope(q, k, positions, seq_dim=-2)
+        # Build (and so validate) the mask before touching the cache: a bad call leaves it as it was.
+        mask, is_causal = attention_bias_mask(
+            batch, seq, past + seq, causal=self.causal, attention_mask=attention_mask, device=x.device
+        )
+        if cache is not None:
+            k, v = cache.update(k, v)
+        no_key = None
+        if mask is not None and attention_mask is not None:
+            # A row with every key masked would give NaN (0/0) in some SDPA kernels and NaN
+            # gradients: let it attend everywhere, then zero its output.
+            no_key = ~mask.any(dim=-1, keepdim=True)
+            mask = mask | no_key
+        out = self._attend(q, k, v, mask, is_causal)
+        if no_key is not None:
+            out = out.masked_fill(no_key, 0.0)
+        return self.o_proj(out.transpose(1, 2).flatten(2))

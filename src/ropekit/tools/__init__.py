@@ -1,0 +1,1 @@
+"""Analysis and measurement tools built on the ropekit core (precision, ...)."""
