@@ -82,7 +82,7 @@ def assert_matches(out, x, positions, inv_freq, layout, *, negate=False):
 def make_qk(form, batch, seq, heads_q, heads_k, head_dim, dtype, gen):
     """q, k in ``form``, their seq_dim, and how to view per-token (batch, seq) positions against them."""
     shape = {"bshd": lambda h: (batch, seq, h, head_dim), "bhsd": lambda h: (batch, seq, h, head_dim),
-             "packed": lambda h: (seq, h, head_dim)}[form]  # fmt: skip
+             "packed": lambda h: (seq, h, head_dim)}[form]
     q, k = (torch.randn(shape(h), generator=gen).to(dtype) for h in (heads_q, heads_k))
     if form == "bhsd":  # a transposed view of (b, s, h, d) storage: arbitrary strides, no copy
         return q.transpose(1, 2), k.transpose(1, 2), 2, lambda p: p.reshape(batch, 1, seq)
@@ -155,7 +155,7 @@ def test_apply_rotary_through_backend_registry(monkeypatch):
     seed=st.integers(0, 2**16),
 )
 def test_rotate_qk_matches_reference(layout, dtype, form, head_dim, rotary_frac, heads, batch, seq, mode, inplace,
-                                     seed):  # fmt: skip
+                                     seed):
     gen = torch.Generator().manual_seed(seed)
     batch = 1 if form == "packed" else batch
     rotary_dim = max(2, int(rotary_frac * head_dim) // 2 * 2)
@@ -203,7 +203,7 @@ def test_varlen_matches_each_sequence_alone(layout, launches):
     q, k = torch.randn(16, 3, 40, generator=gen).half(), torch.randn(16, 1, 40, generator=gen).half()
     offsets = torch.tensor([0, 9, 2, 30])
     q_out, k_out = triton_api.rotate_qk(q, k, cos, sin, offsets=offsets, cu_seqlens=cu_seqlens, seq_dim=0,
-                                        layout=layout)  # fmt: skip
+                                        layout=layout)
     assert len(launches) == 1 and launches[0]["seqlen"] == 7  # max_seqlen computed from cu_seqlens
     pos = torch.cat([torch.arange(n) + int(o) for n, o in zip(cu_seqlens.diff(), offsets, strict=True)])
     assert_matches(q_out, q, pos.reshape(16, 1), inv_freq, layout)
@@ -214,7 +214,7 @@ def test_varlen_matches_each_sequence_alone(layout, launches):
         assert torch.equal(alone[0], q_out[lo:hi]) and torch.equal(alone[1], k_out[lo:hi])
     # per-token positions and an explicit max_seqlen take the same path
     q2, _ = triton_api.rotate_qk(q, k, cos, sin, positions=pos, cu_seqlens=cu_seqlens, max_seqlen=8, seq_dim=0,
-                                 layout=layout, inplace=True)  # fmt: skip
+                                 layout=layout, inplace=True)
     assert torch.equal(q2, q_out)
 
 
@@ -235,11 +235,11 @@ def test_out_of_range_positions_are_caught_before_launch(launches):
             triton_api.rotate_qk(q, k, cos, sin, seq_dim=1, layout="half", **kwargs)
     with pytest.raises(ValueError, match="positions"):
         triton_api.rotate_qk(packed, packed, cos, sin, cu_seqlens=cu, offsets=torch.tensor([0, 10]), seq_dim=0,
-                             layout="half")  # fmt: skip
+                             layout="half")
     for bad_cu in ([0, 5, 11], [1, 5, 12], [0, 7, 5, 12]):
         with pytest.raises(ValueError, match="cu_seqlens"):
             triton_api.rotate_qk(packed, packed, cos, sin, cu_seqlens=torch.tensor(bad_cu, dtype=torch.int32),
-                                 seq_dim=0, layout="half")  # fmt: skip
+                                 seq_dim=0, layout="half")
     with pytest.raises(ValueError, match="max_seqlen"):
         triton_api.rotate_qk(packed, packed, cos, sin, cu_seqlens=cu, max_seqlen=5, seq_dim=0, layout="half")
     assert launches == []
@@ -311,7 +311,7 @@ def test_gradient_is_the_inverse_rotation(inplace):
     positions = torch.randint(0, TABLE_ROWS, (2, 6), generator=gen)
     q, k = (q_leaf * 1, k_leaf * 1) if inplace else (q_leaf, k_leaf)
     q_out, k_out = triton_api.rotate_qk(q, k, cos, sin, positions=positions, seq_dim=1, layout="interleaved",
-                                        inplace=inplace)  # fmt: skip
+                                        inplace=inplace)
     gq, gk = torch.randn(q_out.shape, generator=gen), torch.randn(k_out.shape, generator=gen)
     grad_q, grad_k = torch.autograd.grad((q_out * gq).sum() + (k_out * gk).sum(), (q_leaf, k_leaf))
     view = positions.reshape(2, 6, 1)
@@ -334,7 +334,7 @@ def test_int64_indexing(monkeypatch):
     q, k = torch.randn(10, 3, 40, generator=gen).half(), torch.randn(10, 2, 40, generator=gen).half()
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
     expected = triton_api.rotate_qk(q, k, cos, sin, cu_seqlens=cu, offsets=torch.tensor([3, 8]), seq_dim=0,
-                                    layout="half")  # fmt: skip
+                                    layout="half")
     x = q.transpose(0, 1)
     expected_x = triton_api.rotate(x, cos[None, :10], sin[None, :10], layout="half")
     flags = []
@@ -357,7 +357,7 @@ def test_custom_ops_pass_opcheck():
     cases = [
         (ops.triton_rotary_qk, (q, k, cos, sin, None, torch.tensor([1, 3]), 2, None, None, 1, "half", False)),
         (ops.triton_rotary_qk_, (q.detach().clone(), k.detach().clone(), cos, sin, None, None, 4, None, None, 1,
-                                 "interleaved", True)),  # fmt: skip
+                                 "interleaved", True)),
         (ops.triton_rotary_qk, (packed, packed, cos, sin, None, None, 0, cu, None, 0, "interleaved", False)),
         (ops.triton_rotary, (q, c, s, "interleaved", False)),
         (ops.triton_rotary_, (q.detach().clone(), c, s, "half", True)),
@@ -379,7 +379,7 @@ def test_compile_fullgraph_traces_the_custom_ops():
     def step(q, k, offsets):
         q, k = triton_api.rotate_qk(q, k, cos, sin, offsets=offsets, seq_dim=1, layout="half")
         return triton_api.rotate_qk(q, k, cos, sin, offsets=offsets, seq_dim=1, layout="half", conjugate=True,
-                                    inplace=True)  # fmt: skip
+                                    inplace=True)
 
     q, k = torch.randn(2, 5, 3, 40), torch.randn(2, 5, 1, 40)
     offsets = torch.tensor([1, 4])
@@ -399,7 +399,7 @@ def test_compile_fullgraph_backward_and_apply_rotary(monkeypatch):
         return (q * q.detach()).sum() + k.sum() + y.sum()
 
     inputs = [torch.randn(4, 2, 16, requires_grad=True), torch.randn(4, 1, 16, requires_grad=True),
-              torch.randn(2, 4, 16, requires_grad=True)]  # fmt: skip
+              torch.randn(2, 4, 16, requires_grad=True)]
     expected = torch.autograd.grad(loss(*inputs), inputs)
     got = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(*inputs), inputs)
     for a, b in zip(got, expected, strict=True):
@@ -444,11 +444,11 @@ def test_kernel_compiles_for_sm90(monkeypatch):
     kernel = triton_rotary._jit(False)
     names = list(inspect.signature(triton_rotary._rotary_kernel).parameters)
     pointers = dict(Q="*bf16", Q_OUT="*bf16", K="*bf16", K_OUT="*bf16", COS="*fp32", SIN="*fp32",
-                    POSITIONS="*i64", OFFSETS="*i32", CU_SEQLENS="*i32")  # fmt: skip
+                    POSITIONS="*i64", OFFSETS="*i32", CU_SEQLENS="*i32")
     all_on = dict(INTERLEAVED=True, CONJUGATE=True, GATHER=True, HAS_POSITIONS=True, HAS_OFFSETS=False, VARLEN=True,
-                  COPY_TAIL=True, INT64=True)  # fmt: skip
+                  COPY_TAIL=True, INT64=True)
     contract = dict(INTERLEAVED=False, CONJUGATE=False, GATHER=False, HAS_POSITIONS=False, HAS_OFFSETS=False,
-                    VARLEN=False, COPY_TAIL=False, INT64=False)  # fmt: skip
+                    VARLEN=False, COPY_TAIL=False, INT64=False)
     offsets = dict(contract, GATHER=True, HAS_OFFSETS=True)
     for flags in (all_on, contract, offsets):
         constants = dict(BLOCK_S=16, BLOCK_R=16, BLOCK_T=8, sq_d=1, soq_d=1, sk_d=1, sok_d=1, **flags)
@@ -482,7 +482,7 @@ def test_cuda_kernel_matches_reference(dtype, monkeypatch, launches):
     packed = torch.randn(600, 4, 64, generator=gen).to(dtype).cuda().requires_grad_()
     positions = torch.randint(0, 4096, (600,), generator=gen).cuda()
     out, _ = triton_api.rotate_qk(packed, packed, cos, sin, positions=positions, cu_seqlens=cu, seq_dim=0,
-                                  layout="interleaved")  # fmt: skip
+                                  layout="interleaved")
     assert_matches(out, packed, positions.reshape(600, 1), inv_freq, "interleaved")
     (grad,) = torch.autograd.grad(out, packed, torch.ones_like(out))
     assert_matches(grad, torch.ones_like(packed), positions.reshape(600, 1), inv_freq, "interleaved", negate=True)

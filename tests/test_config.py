@@ -213,6 +213,7 @@ def test_fixed_seq_len_freezes_length_dependent_rules_only():
         ({**LLAMA2, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 3}},
          ["3 entries", "64"]),
         ({**LLAMA2, "rope_scaling": "yarn"}, ["rope_scaling", "'yarn'"]),
+        ({**LLAMA2, "rope_scaling": {"factor": 2.0}}, ["'default'", "'factor'=2.0"]),  # a factor but no type
     ],
 )
 def test_from_hf_errors_name_the_key_and_value(cfg, words):

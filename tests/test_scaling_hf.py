@@ -322,3 +322,20 @@ def test_transformers_snapshot_properties():
     assert bool(((inv_freq >= exact_default / 10) & (inv_freq <= exact_default)).all())
     inv_freq = read({**llama3, "high_freq_factor": 1000})[0]
     assert bool((inv_freq < exact_default).all())
+
+
+def test_nested_yarn_truncate_is_honoured():
+    """transformers reads ``truncate`` from the top of ``rope_parameters``, so a per-layer-type
+    ``truncate: false`` is lost there; ropekit reads it where it is, like the flat config does."""
+    yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "truncate": False,
+            "rope_theta": 150000.0}
+    nested = {"hidden_size": 512, "num_attention_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
+              "layer_types": ["sliding_attention", "full_attention"],
+              "rope_parameters": {"full_attention": dict(yarn),
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    flat = {**{k: v for k, v in nested.items() if k not in ("layer_types", "rope_parameters")},
+            "rope_parameters": dict(yarn)}
+    expected, scale = hf_inv_freq(flat, None)
+    inv_freq, ours = RopeConfig.from_hf(nested, layer_type="full_attention").inv_frequencies()
+    torch.testing.assert_close(inv_freq, expected.double(), rtol=2e-6, atol=0.0)
+    assert ours == pytest.approx(scale, rel=1e-6)

@@ -13,7 +13,7 @@ from ._checks import check_even_positive, check_layout, check_positive_float
 from .frequencies import inv_frequencies
 from .scaling import DynamicNTK, LongRoPE, Proportional
 from .scaling._common import check_length
-from .scaling.from_dict import PLAIN_ROPE_TYPES, rope_type_of, rule_from_dict
+from .scaling.from_dict import METADATA_KEYS, PLAIN_ROPE_TYPES, rope_type_of, rule_from_dict
 
 #: Model types whose Hugging Face checkpoints pair channels ``(2i, 2i+1)`` (complex / interleaved
 #: apply). ``rope_interleave`` in a config overrides this table either way.
@@ -118,6 +118,9 @@ class RopeConfig:
         scaling = None
         if kind not in PLAIN_ROPE_TYPES:
             scaling = rule_from_dict(params, max_position_embeddings=max_positions)
+        elif set(params) - METADATA_KEYS:
+            found = ", ".join(f"{key!r}={params[key]!r}" for key in sorted(set(params) - METADATA_KEYS))
+            raise ValueError(f"rope_type {kind!r} (plain RoPE) takes no scaling parameters, got {found}")
         rotary_dim = head_dim if isinstance(scaling, Proportional) else _rotary_dim(cfg, params, head_dim)
         if fixed_seq_len is not None:
             fixed_seq_len = check_length("RopeConfig.from_hf", "fixed_seq_len", fixed_seq_len)

@@ -70,6 +70,8 @@ def inv_frequencies(
     if scaling is None:
         return base_inv_freq(rotary_dim, base), 1.0
     if isinstance(scaling, dict):
+        if scaling.get("rope_type", scaling.get("type")) in (None, "default") and "factor" not in scaling:
+            return base_inv_freq(rotary_dim, base), 1.0
         from .scaling import rule_from_dict
 
         scaling = rule_from_dict(scaling)

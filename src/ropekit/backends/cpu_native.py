@@ -19,6 +19,7 @@ ctypes releases the GIL during the call, so large tensors are split by rows over
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import os
@@ -159,7 +160,7 @@ def _open_library() -> dict[torch.dtype, object]:
     functions = {}
     for dtype, suffix in _SUFFIX.items():
         fn = getattr(library, f"ropekit_rotate_{suffix}")
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64]
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64]
         fn.restype = ctypes.c_int
         functions[dtype] = fn
     return functions
@@ -180,21 +181,26 @@ def supports(x: torch.Tensor, inplace: bool = False) -> bool:
     Needs a CPU tensor of float32/float64/bfloat16/float16 with last-dim stride 1 (or one
     channel), at most 8 leading dims, and for ``inplace`` no leading dim aliased by stride 0.
     """
-    if x.device.type != "cpu" or x.dtype not in _SUFFIX or x.dim() - 1 > MAX_LEADING_DIMS or x.dim() == 0:
+    if x.dtype not in _SUFFIX or x.device.type != "cpu":
         return False
-    if x.stride(-1) != 1 and x.shape[-1] > 1:
+    shape, stride = x.shape, x.stride()
+    if not 1 <= len(shape) <= MAX_LEADING_DIMS + 1 or (stride[-1] != 1 and shape[-1] > 1):
         return False
-    if inplace and any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
-        return False
-    return True
+    return not (inplace and 0 in stride and any(st == 0 and n > 1 for st, n in zip(stride, shape)))
 
 
 def _table(t: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    """``t`` as ``work`` dtype on the CPU with last-dim stride 1 (a copy only when needed)."""
     if t.dtype != work or t.device.type != "cpu":
         t = t.to(device="cpu", dtype=work)
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         t = t.contiguous()
     return t
+
+
+def _leading_strides(t: torch.Tensor) -> list[int]:
+    """Strides of the leading dims, 0 where ``t`` has size 1 (broadcast)."""
+    return [0 if n == 1 else st for n, st in zip(t.shape[:-1], t.stride())]
 
 
 def _plan(sizes: list[int], strides: list[list[int]], streams: int) -> tuple[list[int], list[list[int]]]:
@@ -282,29 +288,28 @@ def rotate(
     Raises:
         RuntimeError: the native library could not be built or loaded.
     """
-    fn = _load().get(x.dtype)
+    fn = (_state.get("functions") or _load()).get(x.dtype)  # type: ignore[union-attr]
     if fn is None or not supports(x, inplace):
         return torch_eager.rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
     out = x if inplace else torch.empty_like(x)
-    if x.numel() == 0:
+    numel = x.numel()
+    if numel == 0:
         return out
-    work = torch_eager.compute_dtype(x.dtype)
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
     cos, sin = _table(cos, work), _table(sin, work)
-    half = cos.shape[-1]
-    lead = x.shape[:-1]
     flags = (_FLAG_INTERLEAVED if layout == "interleaved" else 0) | (_FLAG_CONJUGATE if conjugate else 0)
     if not inplace:
         flags |= _FLAG_COPY_TAIL
-    sizes = list(lead)
-    strides = [[0 if t.shape[d] == 1 else t.stride(d) for d in range(len(lead))] for t in (x, out, cos, sin)]
-    nbytes = x.numel() * x.element_size()
+    sizes = list(x.shape[:-1])
+    strides = [_leading_strides(x), _leading_strides(out), _leading_strides(cos), _leading_strides(sin)]
+    nbytes = numel * x.element_size()
     if nbytes >= PLAN_MIN_BYTES:
         sizes, strides = _plan(sizes, strides, STREAMS)
-    params = (ctypes.c_int64 * (8 + 5 * len(sizes)))(
-        len(sizes), half, x.shape[-1], flags, 1, 1, 1, 1, *sizes, *strides[0], *strides[1], *strides[2], *strides[3]
-    )
-    rows = x.numel() // x.shape[-1]
+    params = array.array("q", [len(sizes), cos.shape[-1], x.shape[-1], flags, 1, 1, 1, 1, *sizes])
+    for st in strides:
+        params.extend(st)
+    rows = numel // x.shape[-1]
     threshold = PARALLEL_MIN_BYTES if min_parallel_bytes is None else min_parallel_bytes
-    args = (x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), params)
+    args = (x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), params.buffer_info()[0])
     _call(fn, args, rows, nbytes, threshold)
     return out

@@ -144,7 +144,7 @@ def _check_qk(q, k, cos, sin, positions, offsets, cu_seqlens, max_seqlen, seq_di
             raise ValueError(f"cu_seqlens must have shape (batch + 1,), got {tuple(cu_seqlens.shape)}")
         if seq_axis != 0 or q.dim() > 3:
             raise ValueError(f"cu_seqlens needs packed (tokens, heads, head_dim) q/k with seq_dim=0, got "
-                             f"{tuple(q.shape)} with seq_dim={seq_dim}")  # fmt: skip
+                             f"{tuple(q.shape)} with seq_dim={seq_dim}")
         if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)):
             raise TypeError(f"max_seqlen must be an int or None, got {max_seqlen!r}")
         n_seq = cu_seqlens.numel() - 1
@@ -157,7 +157,7 @@ def _check_qk(q, k, cos, sin, positions, offsets, cu_seqlens, max_seqlen, seq_di
         shapes = [(tokens,)] if cu_seqlens is not None else [(tokens,), (1, tokens), (n_seq, tokens)]
         if tuple(positions.shape) not in shapes:
             raise ValueError(f"positions must have shape {' or '.join(map(str, set(shapes)))}, "
-                             f"got {tuple(positions.shape)}")  # fmt: skip
+                             f"got {tuple(positions.shape)}")
         if not (isinstance(offsets, int) and offsets == 0):
             raise ValueError("pass either positions or offsets, not both (offsets shift the default arange)")
     if isinstance(offsets, Tensor):
@@ -165,11 +165,13 @@ def _check_qk(q, k, cos, sin, positions, offsets, cu_seqlens, max_seqlen, seq_di
         if offsets.dim() > 1 or offsets.numel() not in (1, n_seq):
             raise ValueError(f"offsets must be an int or a ({n_seq},) tensor, got shape {tuple(offsets.shape)}")
         return 0, offsets.reshape(-1)
-    if isinstance(offsets, bool) or not isinstance(offsets, int) or offsets < 0:
-        raise ValueError(f"offsets must be a non-negative int or an integer (batch,) tensor, got {offsets!r}")
+    if isinstance(offsets, bool) or not isinstance(offsets, int):
+        raise TypeError(f"offsets must be an int or an integer (batch,) tensor, got {type(offsets).__name__}")
+    if offsets < 0:
+        raise ValueError(f"offsets must be >= 0 (positions index the tables), got {offsets}")
     if positions is None and cu_seqlens is None and tokens > 0 and offsets + tokens > cos.shape[0]:
         raise ValueError(f"positions (offsets + index) reach {offsets + tokens - 1}, outside the cos/sin tables "
-                         f"of {cos.shape[0]} rows")  # fmt: skip
+                         f"of {cos.shape[0]} rows")
     return offsets, None
 
 
@@ -208,7 +210,7 @@ def _check_values(q, cos, positions, offsets, offset, cu_seqlens, max_seqlen, se
     if "lo" in got and got["lo"] < 0 or "hi" in got and got["hi"] >= rows:
         source = "positions" if positions is not None else "positions (offsets + index within the sequence)"
         raise ValueError(f"{source} must lie in [0, {rows}) of the cos/sin tables, got {got.get('lo')} to "
-                         f"{got.get('hi')}")  # fmt: skip
+                         f"{got.get('hi')}")
     return got.get("longest", 0) if cu_seqlens is not None else None
 
 
@@ -235,7 +237,7 @@ def _eager_positions(x, positions, offsets, offset, cu_seqlens, seq_dim) -> Tens
 
 
 def _rotate_qk_any(q, k, cos, sin, positions, offsets, offset, cu_seqlens, max_seqlen, seq_dim, layout,
-                   conjugate, inplace):  # fmt: skip
+                   conjugate, inplace):
     """Check the values, then run the kernel (or the eager fallback); returns ``(q_out, k_out)``."""
     longest = _check_values(q, cos, positions, offsets, offset, cu_seqlens, max_seqlen, seq_dim)
     if not _use_kernel(q, 2 * cos.shape[1]):
@@ -246,7 +248,7 @@ def _rotate_qk_any(q, k, cos, sin, positions, offsets, offset, cu_seqlens, max_s
     if q.numel() + k.numel():
         kern.launch_rotate_qk(q, k, q_out, k_out, cos, sin, positions, offsets, offset, cu_seqlens,
                               max_seqlen if longest is None or max_seqlen is not None else longest,
-                              seq_dim=seq_dim, layout=layout, conjugate=conjugate, inplace=inplace)  # fmt: skip
+                              seq_dim=seq_dim, layout=layout, conjugate=conjugate, inplace=inplace)
     return q_out, k_out
 
 
@@ -254,18 +256,18 @@ def _rotate_qk_any(q, k, cos, sin, positions, offsets, offset, cu_seqlens, max_s
 def _rotary_qk_op(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None, offsets: Tensor | None,
     offset: int, cu_seqlens: Tensor | None, max_seqlen: int | None, seq_dim: int, layout: str, conjugate: bool,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     return _rotate_qk_any(q, k, cos, sin, positions, offsets, offset, cu_seqlens, max_seqlen, seq_dim, layout,
-                          conjugate, False)  # fmt: skip
+                          conjugate, False)
 
 
 @torch.library.custom_op("ropekit::triton_rotary_qk_", mutates_args=("q", "k"))
 def _rotary_qk_op_(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None, offsets: Tensor | None,
     offset: int, cu_seqlens: Tensor | None, max_seqlen: int | None, seq_dim: int, layout: str, conjugate: bool,
-) -> None:  # fmt: skip
+) -> None:
     _rotate_qk_any(q, k, cos, sin, positions, offsets, offset, cu_seqlens, max_seqlen, seq_dim, layout,
-                   conjugate, True)  # fmt: skip
+                   conjugate, True)
 
 
 @_rotary_qk_op.register_fake
@@ -288,7 +290,7 @@ def _rotary_qk_backward(ctx, grad_q, grad_k):
     cos, sin, positions, offsets, cu_seqlens = ctx.saved_tensors
     offset, max_seqlen, seq_dim, layout, conjugate = ctx.options
     grads = _rotary_qk_op(grad_q, grad_k, cos, sin, positions, offsets, offset, cu_seqlens, max_seqlen,
-                          seq_dim, layout, conjugate)  # fmt: skip
+                          seq_dim, layout, conjugate)
     return (*grads,) + (None,) * 10
 
 
@@ -342,7 +344,7 @@ def rotate_qk(
         ValueError: bad shapes, or positions outside ``[0, max_positions)`` (checked before launch).
     """
     offset, offsets_t = _check_qk(q, k, cos_table, sin_table, positions, offsets, cu_seqlens, max_seqlen,
-                                  seq_dim, layout)  # fmt: skip
+                                  seq_dim, layout)
     if not isinstance(conjugate, bool) or not isinstance(inplace, bool):
         raise TypeError(f"conjugate and inplace must be bools, got {conjugate!r} and {inplace!r}")
     if inplace and q is k:

@@ -137,31 +137,42 @@ static void NAME##_inter_copy(const T *restrict x, T *restrict o, const CT *rest
 
 typedef struct {
     int64_t ndim, h, head_dim, flags;
-    const int64_t *size, *stride[4]; /* stride[0..3]: x, out, cos, sin */
+    int64_t size[ROPEKIT_MAX_DIMS], stride[4][ROPEKIT_MAX_DIMS]; /* stride[k]: x, out, cos, sin */
     int64_t index[ROPEKIT_MAX_DIMS];
     int64_t offset[4];
 } rows_t;
 
+/* Read params into r, dropping dims of size 1 and merging dims that are one run in all four
+   arrays: the C-order enumeration of rows is unchanged, but the innermost loop gets long. */
 static int rows_init(rows_t *r, const int64_t *params, int64_t row_begin, int64_t row_end) {
-    r->ndim = params[0];
+    const int64_t ndim = params[0];
     r->h = params[1];
     r->head_dim = params[2];
     r->flags = params[3];
-    if (r->ndim < 0 || r->ndim > ROPEKIT_MAX_DIMS || r->h < 0 || r->head_dim < 2 * r->h)
-        return -1;
+    if (ndim < 0 || ndim > ROPEKIT_MAX_DIMS || r->h < 0 || r->head_dim < 2 * r->h) return -1;
     for (int k = 0; k < 4; k++)
         if (params[4 + k] != 1 && r->h > 0) return -1;
-    r->size = params + 8;
     int64_t rows = 1;
-    for (int64_t d = 0; d < r->ndim; d++) {
-        if (r->size[d] < 0) return -1;
-        rows *= r->size[d];
+    r->ndim = 0;
+    for (int64_t d = 0; d < ndim; d++) {
+        const int64_t n = params[8 + d];
+        if (n < 0) return -1;
+        rows *= n;
+        if (n == 1) continue;
+        const int64_t m = r->ndim;
+        int merge = m > 0;
+        for (int k = 0; k < 4 && merge; k++)
+            merge = r->stride[k][m - 1] == params[8 + (k + 1) * ndim + d] * n;
+        for (int k = 0; k < 4; k++) r->stride[k][merge ? m - 1 : m] = params[8 + (k + 1) * ndim + d];
+        if (merge) {
+            r->size[m - 1] *= n;
+        } else {
+            r->size[m] = n;
+            r->ndim++;
+        }
     }
     if (row_begin < 0 || row_end > rows || row_begin > row_end) return -1;
-    for (int k = 0; k < 4; k++) {
-        r->stride[k] = params + 8 + (k + 1) * r->ndim;
-        r->offset[k] = 0;
-    }
+    for (int k = 0; k < 4; k++) r->offset[k] = 0;
     int64_t rest = row_begin;
     for (int64_t d = r->ndim - 1; d >= 0; d--) {
         r->index[d] = rest % r->size[d];
@@ -183,41 +194,37 @@ static void rows_carry(rows_t *r) {
 
 /* ---- the exported entry points ---- */
 
+/* Run STMT for the n rows of the current innermost run, stepping the four row pointers. */
+#define ROPEKIT_RUN(STMT)                                                                     \
+    for (int64_t j = 0; j < n; j++, xr += sx, orow += so, cr += sc, sr += ss) { STMT; }
+
 #define ROPEKIT_ENTRY(NAME, T, CT)                                                            \
 ROPEKIT_ROW_KERNELS(NAME, T, CT)                                                              \
 int ropekit_rotate_##NAME(void *x, void *out, const void *cos, const void *sin,               \
                           const int64_t *params, int64_t row_begin, int64_t row_end) {        \
     rows_t r;                                                                                 \
     if (rows_init(&r, params, row_begin, row_end)) return -1;                                 \
-    const int interleaved = (r.flags & FLAG_INTERLEAVED) != 0;                                \
-    const int inplace = x == out;                                                             \
+    const int interleaved = (r.flags & FLAG_INTERLEAVED) != 0, inplace = x == out;            \
     const CT sg = (r.flags & FLAG_CONJUGATE) ? (CT)-1 : (CT)1;                                \
-    const int64_t h = r.h, tail = (r.flags & FLAG_COPY_TAIL) && !inplace ? r.head_dim - 2 * h : 0; \
-    const int64_t last = r.ndim > 0 ? r.ndim - 1 : 0;                                        \
-    const int64_t inner = r.ndim > 0 ? r.size[last] : 1;                                      \
-    int64_t sx = 0, so = 0, sc = 0, ss = 0;                                                   \
-    if (r.ndim > 0) {                                                                         \
-        sx = r.stride[0][last]; so = r.stride[1][last];                                       \
-        sc = r.stride[2][last]; ss = r.stride[3][last];                                       \
-    }                                                                                         \
-    int64_t row = row_begin;                                                                  \
-    while (row < row_end) {                                                                   \
-        int64_t start = r.ndim > 0 ? r.index[last] : 0;                                       \
-        int64_t n = inner - start < row_end - row ? inner - start : row_end - row;            \
-        T *xr = (T *)x + r.offset[0];                                                         \
-        T *orow = (T *)out + r.offset[1];                                                     \
-        const CT *cr = (const CT *)cos + r.offset[2];                                         \
-        const CT *sr = (const CT *)sin + r.offset[3];                                         \
-        for (int64_t j = 0; j < n; j++) {                                                     \
-            if (inplace) {                                                                    \
-                if (interleaved) NAME##_inter_inplace(xr, cr, sr, h, sg);                     \
-                else NAME##_half_inplace(xr, xr + h, cr, sr, h, sg);                                  \
-            } else {                                                                          \
+    const int64_t h = r.h;                                                                    \
+    const int64_t tail = (r.flags & FLAG_COPY_TAIL) && !inplace ? r.head_dim - 2 * h : 0;     \
+    const int64_t last = r.ndim > 0 ? r.ndim - 1 : 0, inner = r.ndim > 0 ? r.size[last] : 1; \
+    const int64_t sx = r.ndim > 0 ? r.stride[0][last] : 0, so = r.ndim > 0 ? r.stride[1][last] : 0; \
+    const int64_t sc = r.ndim > 0 ? r.stride[2][last] : 0, ss = r.ndim > 0 ? r.stride[3][last] : 0; \
+    for (int64_t row = row_begin; row < row_end;) {                                           \
+        const int64_t start = r.ndim > 0 ? r.index[last] : 0;                                 \
+        const int64_t n = inner - start < row_end - row ? inner - start : row_end - row;      \
+        T *xr = (T *)x + r.offset[0], *orow = (T *)out + r.offset[1];                         \
+        const CT *cr = (const CT *)cos + r.offset[2], *sr = (const CT *)sin + r.offset[3];    \
+        if (inplace && interleaved) {                                                         \
+            ROPEKIT_RUN(NAME##_inter_inplace(xr, cr, sr, h, sg))                              \
+        } else if (inplace) {                                                                 \
+            ROPEKIT_RUN(NAME##_half_inplace(xr, xr + h, cr, sr, h, sg))                       \
+        } else {                                                                              \
+            ROPEKIT_RUN(                                                                      \
                 if (interleaved) NAME##_inter_copy(xr, orow, cr, sr, h, sg);                  \
                 else NAME##_half_copy(xr, orow, cr, sr, h, sg);                               \
-                if (tail > 0) memcpy(orow + 2 * h, xr + 2 * h, (size_t)tail * sizeof(T));    \
-            }                                                                                 \
-            xr += sx; orow += so; cr += sc; sr += ss;                                         \
+                if (tail > 0) memcpy(orow + 2 * h, xr + 2 * h, (size_t)tail * sizeof(T)))     \
         }                                                                                     \
         row += n;                                                                             \
         if (r.ndim > 0) {                                                                     \

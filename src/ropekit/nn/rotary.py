@@ -75,10 +75,11 @@ class RotaryEmbedding(nn.Module):
         """Dynamic rules recompute the frequencies when the sequence length changes."""
         if not getattr(self.scaling, "dynamic", False) or seq_len == self._dynamic_seq_len:
             return
-        self.inv_freq, self.attention_scale = inv_frequencies(
-            self.rotary_dim, self.base, self.scaling, seq_len=seq_len
-        )
+        inv_freq, scale = inv_frequencies(self.rotary_dim, self.base, self.scaling, seq_len=seq_len)
         self._dynamic_seq_len = seq_len
+        if scale == self.attention_scale and torch.equal(inv_freq, self.inv_freq):
+            return  # inside the original length the frequencies do not move: keep the tables
+        self.inv_freq, self.attention_scale = inv_freq, scale
         self._tables.clear()
 
     def tables(self, length: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,215 @@
+"""Benchmark: every available backend and installed peer against a plain copy of the same bytes.
+
+RoPE is memory-bound, so each row is timed next to its floor in the same run:
+
+- in place: ``x.mul_(1.0)`` on q and k (one read and one write of each element);
+- out of place: ``x.clone()`` of q and k (the same allocation and bytes as the output);
+- forward + backward: the out-of-place floor twice (the backward reads the gradient and writes one).
+
+``ratio_copy = floor_ms / ms`` (1.0 = as fast as copying the bytes) and
+``ratio_hf = hf_ms / ms`` (speed-up over transformers' eager recipe
+``q * cos + rotate_half(q) * sin`` with tables in the activation dtype). ``saved_mb`` is what
+autograd keeps for the backward pass (measured with saved-tensor hooks), next to the recipe's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import backends
+from ..frequencies import cos_sin, inv_frequencies
+from ..functional import apply_rotary
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark case: q of ``(batch, q_heads, seq, head_dim)`` and k with ``k_heads``."""
+
+    name: str
+    batch: int
+    q_heads: int
+    k_heads: int
+    seq: int
+    head_dim: int
+
+
+FULL_SHAPES = (
+    Shape("prefill", 1, 32, 32, 4096, 128),
+    Shape("training", 4, 8, 8, 1024, 64),
+    Shape("decode", 16, 32, 32, 1, 128),
+    Shape("gqa", 1, 32, 8, 4096, 128),
+)
+QUICK_SHAPES = (Shape("prefill-1k", 1, 32, 32, 1024, 128), Shape("decode", 16, 32, 32, 1, 128))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def hf_recipe(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """transformers' ``apply_rotary_pos_emb`` (full-width tables in the activation dtype)."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def saved_bytes(fn: Callable[[], tuple[torch.Tensor, ...]]) -> int:
+    """Bytes of the tensors autograd saves for the backward pass while running ``fn``."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def _inputs(shape: Shape, dtype: torch.dtype, device: torch.device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(shape.batch, shape.q_heads, shape.seq, shape.head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(shape.batch, shape.k_heads, shape.seq, shape.head_dim, generator=gen).to(device, dtype)
+    start = 4095 if shape.seq == 1 else 0  # decode: one new token after a 4k context
+    inv_freq, _ = inv_frequencies(shape.head_dim)
+    cos, sin = cos_sin(torch.arange(start, start + shape.seq, device=device), inv_freq)
+    return q, k, cos, sin
+
+
+def bench_shape(
+    shape: Shape,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    repeats: int,
+    backward: bool = True,
+    compile_peer: bool = False,
+) -> list[dict]:
+    """All rows for one shape and dtype: floors, peers and every available backend."""
+    q, k, cos, sin = _inputs(shape, dtype, device)
+    nbytes = 2 * (q.numel() + k.numel()) * q.element_size()  # read + write of q and k
+    full_cos = torch.cat((cos, cos), -1).to(dtype)
+    full_sin = torch.cat((sin, sin), -1).to(dtype)
+    copy_ms = time_ms(lambda: (q.clone(), k.clone()), device, repeats)
+    qi, ki = q.clone(), k.clone()
+    inplace_floor_ms = time_ms(lambda: (qi.mul_(1.0), ki.mul_(1.0)), device, repeats)
+    hf_ms = time_ms(lambda: hf_recipe(q, k, full_cos, full_sin), device, repeats)
+    rows: list[dict] = []
+
+    def add(impl: str, mode: str, ms: float, floor: float, hf: float | None, saved: int | None = None) -> None:
+        moved = nbytes * (2 if mode == "fwd+bwd" else 1)
+        rows.append({
+            "shape": shape.name, "dims": [shape.batch, shape.q_heads, shape.k_heads, shape.seq, shape.head_dim],
+            "dtype": str(dtype).replace("torch.", ""), "device": device.type, "impl": impl, "mode": mode,
+            "ms": ms, "gbps": moved / ms / 1e6, "ratio_copy": floor / ms,
+            "ratio_hf": None if hf is None else hf / ms, "saved_mb": None if saved is None else saved / 2**20,
+        })
+
+    add("copy (x.clone)", "out-of-place", copy_ms, copy_ms, hf_ms)
+    add("in-place pass (x.mul_)", "in-place", inplace_floor_ms, inplace_floor_ms, hf_ms)
+    add("transformers eager", "out-of-place", hf_ms, copy_ms, hf_ms)
+    if compile_peer:
+        compiled = torch.compile(hf_recipe, dynamic=False)
+        add("transformers + torch.compile", "out-of-place",
+            time_ms(lambda: compiled(q, k, full_cos, full_sin), device, repeats, warmup=3), copy_ms, hf_ms)
+    cos_v, sin_v = cos[:, :], sin[:, :]
+    for name in backends.available():
+        try:
+            backends.select(name, q)
+            apply_rotary(q[:1, :1, :1], cos_v[:1], sin_v[:1], backend=name)
+        except (RuntimeError, ValueError, TypeError):
+            continue  # backend not usable on this device / dtype
+        out_ms = time_ms(lambda n=name: (apply_rotary(q, cos_v, sin_v, backend=n),
+                                         apply_rotary(k, cos_v, sin_v, backend=n)), device, repeats)
+        add(name, "out-of-place", out_ms, copy_ms, hf_ms)
+        in_ms = time_ms(lambda n=name: (apply_rotary(qi, cos_v, sin_v, backend=n, inplace=True),
+                                        apply_rotary(ki, cos_v, sin_v, backend=n, inplace=True)), device, repeats)
+        add(name, "in-place", in_ms, inplace_floor_ms, None)
+    if backward:
+        qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+        grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+
+        def fwd_bwd(run: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+            def step() -> None:
+                out_q, out_k = run()
+                torch.autograd.backward((out_q, out_k), (grad_q, grad_k))
+            return step
+
+        def ours():
+            return apply_rotary(qg, cos_v, sin_v), apply_rotary(kg, cos_v, sin_v)
+
+        def theirs():
+            return hf_recipe(qg, kg, full_cos, full_sin)
+
+        hf_bwd_ms = time_ms(fwd_bwd(theirs), device, repeats)
+        ours_bwd_ms = time_ms(fwd_bwd(ours), device, repeats)
+        add("transformers eager", "fwd+bwd", hf_bwd_ms, 2 * copy_ms, hf_bwd_ms, saved_bytes(theirs))
+        add("ropekit auto", "fwd+bwd", ours_bwd_ms, 2 * copy_ms, hf_bwd_ms, saved_bytes(ours))
+    return rows
+
+
+def run(
+    *,
+    quick: bool = False,
+    shapes: tuple[Shape, ...] | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    device: str | torch.device | None = None,
+    repeats: int | None = None,
+    compile_peer: bool | None = None,
+) -> list[dict]:
+    """Run the benchmark and return one dict per row (see the module docstring for the columns).
+
+    Args:
+        quick: small shapes and few repeats (seconds on a CPU).
+        shapes, dtypes: override the sweep.
+        device: ``"cpu"`` or ``"cuda"`` (default: CUDA when available).
+        repeats: timed repetitions per row (median reported).
+        compile_peer: also time ``torch.compile`` of the transformers recipe (slow to compile).
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shapes = shapes or (QUICK_SHAPES if quick else FULL_SHAPES)
+    dtypes = dtypes or ((torch.float32, torch.bfloat16) if device.type == "cpu"
+                        else (torch.float32, torch.bfloat16, torch.float16))
+    repeats = repeats or (5 if quick else 21)
+    compile_peer = (not quick) if compile_peer is None else compile_peer
+    rows: list[dict] = []
+    for shape in shapes:
+        for dtype in dtypes:
+            rows.extend(bench_shape(shape, dtype, device, repeats=repeats, compile_peer=compile_peer))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """Rows as a Markdown table (time, GB/s, ratio to copy, speed-up over transformers, saved MiB)."""
+    head = "| shape | dtype | impl | mode | ms | GB/s | × copy speed | × transformers | saved MiB |"
+    lines = [head, "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        hf = "" if r["ratio_hf"] is None else f"{r['ratio_hf']:.1f}"
+        saved = "" if r["saved_mb"] is None else f"{r['saved_mb']:.1f}"
+        lines.append(f"| {r['shape']} | {r['dtype']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} | "
+                     f"{r['gbps']:.1f} | {r['ratio_copy']:.2f} | {hf} | {saved} |")
+    return "\n".join(lines)
