@@ -11,7 +11,8 @@ Each timing is one op applied to q and then to k; the table reports medians and 
 ``floor_time / our_time`` (1.0 = as fast as the floor; targets: >= 0.9 for float32, >= 0.8 for
 bfloat16). Usage::
 
-    python benchmarks/cpu_floor.py [--repeats 50] [--threads 1 2]
+    python benchmarks/cpu_floor.py [--repeats 50] [--threads 1 2] [--shapes prefill decode]
+        [--dtypes float32 bfloat16]
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     args = parser.parse_args()
     if not cpu_native.is_available():
         raise SystemExit("the native CPU backend is not available here")
@@ -95,8 +98,9 @@ def main() -> None:
               f"{'nat ip':>8} {'nat oop':>8} | {'ip ratio':>8} {'oop ratio':>9} | {'eager ip/oop ratio':>18}")
     print(header)
     print("-" * len(header))
-    for shape_name, shape in SHAPES.items():
-        for dtype in (torch.float32, torch.bfloat16):
+    for shape_name in args.shapes:
+        shape = SHAPES[shape_name]
+        for dtype in (getattr(torch, name) for name in args.dtypes):
             q, k, cos, sin = make_inputs(shape, dtype)
             for threads in args.threads:
                 torch.set_num_threads(threads)

@@ -1,15 +1,23 @@
 """The ``ropekit`` command line: ``ropekit <verb> [options]``.
 
-Each verb lives in a small function; errors in user input end with a one-line
-message and exit code 2, never a traceback.
+Verbs: ``inspect`` (a config's rotary frequencies, pair by pair), ``decay`` (RoFormer's long-term
+decay bound), ``report`` (an HTML page with figures and live checks), ``bench`` (speed table).
+Each verb is a small function; the numbers come from :mod:`ropekit.tools`. Errors in user input
+(missing file, malformed JSON, unknown rope type, bad value) end with a one-line message on
+stderr and exit code 2, never a traceback; a report whose live checks fail exits with 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import os
 import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,62 +26,248 @@ class UserError(Exception):
     """Bad input from the command line: printed as one line, exit code 2."""
 
 
-def _default_summary() -> dict:
-    from .frequencies import inv_frequencies
+# -- input -------------------------------------------------------------------------------------------
 
-    head_dim, base, context = 128, 10000.0, 4096
-    inv_freq, scale = inv_frequencies(head_dim, base)
-    wavelength = 2 * math.pi / inv_freq
-    return {
-        "config": {"head_dim": head_dim, "rotary_dim": head_dim, "base": base, "layout": "half",
-                   "rope_type": "default", "attention_scale": scale, "context": context},
-        "pairs": head_dim // 2,
-        "theta_max": float(inv_freq[0]),
-        "theta_min": float(inv_freq[-1]),
-        "wavelength_min": float(wavelength[0]),
-        "wavelength_max": float(wavelength[-1]),
-        "pairs_without_full_rotation": int((wavelength > context).sum()),
-    }
+
+def load_config(path: str | None, preset: str | None, layer_type: str | None = None) -> tuple[Any, str]:
+    """``(RopeConfig, label)`` from a ``config.json`` path or a preset name (default: the ``default`` preset)."""
+    from .config import RopeConfig
+    from .tools.presets import get_preset
+
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UserError(f"config file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read {path}: {exc}") from None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"{path} must hold a JSON object (a config.json), got {type(raw).__name__}")
+        label = str(raw.get("_name_or_path") or path)
+    else:
+        raw = get_preset(preset or "default")
+        label = raw["_name_or_path"] + ("" if preset is None else f" [preset {preset}]")
+    try:
+        return RopeConfig.from_hf(raw, layer_type=layer_type), label
+    except (ValueError, TypeError) as exc:
+        message = str(exc).replace("pass layer_type=", "pass --layer-type")
+        raise UserError(f"{path or 'preset ' + str(preset)}: {message}") from None
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory and :func:`os.replace`."""
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise UserError(f"directory does not exist: {target.parent}")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _number(value: float) -> str:
+    """``500,000`` for an integral value, else ``%g``."""
+    return f"{int(value):,}" if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, allow_nan=False))
+
+
+# -- verbs -------------------------------------------------------------------------------------------
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Print a config's rotary embedding: dimensions, rule, attention scale and a table per pair."""
+    from .tools.analysis import describe
+
+    config, label = load_config(args.config, args.preset, args.layer_type)
+    info = describe(config, context=args.context, seq_len=args.seq_len, bound=not args.no_bound)
+    info = {"source": label, **info}
+    if args.json:
+        _print_json(info)
+        return 0
+    print(f"{label}")
+    print(f"  layout {info['layout']}, head_dim {info['head_dim']}, rotary_dim {info['rotary_dim']}, "
+          f"base {_number(info['base'])}, rope type {info['rope_type']}")
+    for key, value in info["rope_parameters"].items():
+        shown = f"[{len(value)} values: {value[0]:.4g} .. {value[-1]:.4g}]" if isinstance(value, list) else value
+        print(f"    {key} = {shown}")
+    print(f"  attention scale {info['attention_scale']:.6g} on cos and sin (logits x{info['logit_scale']:.6g})")
+    print(f"  context {info['context']:,} tokens ({info['context_source']}); "
+          f"frequencies at seq_len {info['seq_len']:,}")
+    regime, scaled = info["regime"], info["rope_type"] != "default"
+    head = f"  {'pair':>4} {'theta_i':>11} {'inv_freq':>11} {'wavelength':>12} {'rotations':>11}"
+    print(head + (f" {'theta/inv':>9}" if scaled else "") + (f"  {'regime'}" if regime else ""))
+    for i in range(info["pairs"]):
+        wavelength = info["wavelength"][i]
+        line = (f"  {i:>4} {info['theta'][i]:>11.4e} {info['inv_freq'][i]:>11.4e} "
+                f"{'inf' if wavelength is None else format(wavelength, '12.1f'):>12} {info['rotations'][i]:>11.3f}")
+        if scaled:
+            ratio = info["interpolation"][i]
+            line += f" {'inf' if ratio is None else format(ratio, '9.3f'):>9}"
+        print(line + (f"  {regime[i]}" if regime else ""))
+    _print_inspect_summary(info)
+    return 0
+
+
+def _print_inspect_summary(info: dict) -> None:
+    context = info["context"]
+    print(f"  {info['pairs_without_full_rotation']} of {info['pairs']} pairs never complete a rotation within "
+          f"{context:,} tokens")
+    pre = info["pretraining"]
+    if pre:
+        print(f"  {pre['pairs_without_full_rotation']} of {info['pairs']} unscaled pairs never complete a rotation "
+              f"within the {pre['context']:,}-token pre-training context")
+    for name, bound in (("context", info["base_lower_bound"]), ("pre-training context", (pre or {}).get(
+            "base_lower_bound"))):
+        if bound:
+            needed = "none found below 1e15" if bound["base"] is None else f"{bound['base']:.3g}"
+            if not bound["exact_positions"]:
+                needed += " (approximate: positions subsampled)"
+            print(f"  base needed for the {bound['context']:,}-token {name} (Men et al. 2024, arXiv:2405.14591): "
+                  f"{needed} (this config: {_number(info['base'])})")
+    negative = info["similarity_negative_at"]
+    print("  B_m = sum_i cos(m theta_i) with these frequencies: "
+          + (f"first negative at m = {negative:,}" if negative is not None else f"non-negative up to {context:,}"))
+
+
+def cmd_decay(args: argparse.Namespace) -> int:
+    """RoFormer's long-term decay bound (seed 001, eq. 37) for each distance 0..N."""
+    from .frequencies import base_inv_freq
+    from .tools.analysis import decay_bound
+
+    if args.dim <= 0 or args.dim % 2:
+        raise UserError(f"--dim must be a positive even number (the rotary dimension), got {args.dim}")
+    if not 0 <= args.max_distance <= 10_000_000:
+        raise UserError(f"--max-distance must be in 0..10,000,000, got {args.max_distance:,}")
+    inv_freq = base_inv_freq(args.dim, args.base)
+    distance = torch.arange(args.max_distance + 1)
+    bound = decay_bound(inv_freq, distance)
+    if args.png:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UserError("--png needs matplotlib: pip install 'ropekit[report]'")
+        from .tools.figures import decay_curve_figure
+
+        _write_atomic(args.png, decay_curve_figure(distance, bound, f"d={args.dim}, base {_number(args.base)}"))
+    if args.json:
+        _print_json({"dim": args.dim, "base": args.base, "distance": distance.tolist(), "bound": bound.tolist()})
+        return 0
+    print(f"RoFormer long-term decay bound, d={args.dim}, base {_number(args.base)}: (1/(d/2)) sum_j |S_j|, "
+          "S_j = sum_{i<j} exp(1j r theta_i)")
+    shown = sorted({0, args.max_distance} | {2**k for k in range(64) if 2**k < args.max_distance})
+    for r in shown:
+        print(f"  r = {r:>10,}  bound {float(bound[r]):9.4f}")
+    print(f"  minimum {float(bound.min()):.4f} at r = {int(bound.argmin()):,}")
+    if args.png:
+        print(f"  figure: {args.png}")
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """Summarise the default configuration and verify the seeds' claims live."""
-    from .tools.checks import run_all
-    from .tools.precision import bf16_error_comparison
+    """Write the HTML report (figures, live checks, speed table) and print the path of index.html."""
+    from .tools.report import write_report
 
-    torch.set_num_threads(1)
-    summary = _default_summary()
-    checks = run_all()
-    precision = {start: bf16_error_comparison(positions_start=start) for start in (20000, 1_000_000)}
+    config, label = load_config(args.config, args.preset, args.layer_type)
+    summary = write_report(args.out, config, label, quick=args.quick)
     if args.json:
-        print(json.dumps({**summary, "checks": [c.as_dict() for c in checks],
-                          "bf16_precision": {str(k): v for k, v in precision.items()}}, indent=2))
+        _print_json(summary)
     else:
-        cfg = summary["config"]
-        print(f"ropekit report: head_dim {cfg['head_dim']}, base {cfg['base']:g}, layout {cfg['layout']}, "
-              f"context {cfg['context']}")
-        print(f"  {summary['pairs']} rotary pairs, theta from {summary['theta_max']:.3g} to {summary['theta_min']:.3g} "
-              f"rad/token; wavelengths {summary['wavelength_min']:.2f} .. {summary['wavelength_max']:.0f} tokens")
-        print(f"  {summary['pairs_without_full_rotation']} pairs never complete a rotation within "
-              f"{cfg['context']} tokens")
-        print("  checks (measured on this machine):")
-        for c in checks:
-            mark = "ok  " if c.passed else "FAIL"
-            print(f"    {mark} {c.name:<22} error {c.error:9.2e} (bound {c.bound:.0e})  {c.claim}")
-        print("  bfloat16 mean |error| vs float64 (head_dim 128; floor = exact result rounded to bf16):")
-        for start, p in precision.items():
-            print(f"    positions {start:>9,}+: ropekit {p['ropekit_mean']:.3e}  transformers recipe {p['hf_mean']:.3e}"
-                  f"  floor {p['floor_mean']:.3e}")
-    return 0 if all(c.passed for c in checks) else 1
+        failed = [c["name"] for c in summary["checks"] if not c["passed"]]
+        print(summary["index"])
+        if failed:
+            print(f"ropekit report: {len(failed)} live checks failed: {', '.join(failed)}", file=sys.stderr)
+    return 0 if all(c["passed"] for c in summary["checks"]) else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Time every backend against a plain copy of the same bytes (see ropekit.tools.bench)."""
+    from .tools import bench
+
+    rows = bench.run(quick=args.quick, device=args.device)
+    if args.json:
+        _print_json(rows)
+    else:
+        print(bench.format_table(rows))
+    return 0
+
+
+# -- parser ------------------------------------------------------------------------------------------
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    from .tools.presets import preset_names
+
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", metavar="PATH", help="a model's config.json (any form RopeConfig.from_hf reads)")
+    source.add_argument("--preset", metavar="NAME", help=f"a named config: {', '.join(preset_names())}")
+    parser.add_argument("--layer-type", metavar="TYPE",
+                        help="which rope parameters of a per-layer-type config (e.g. full_attention)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-parser per verb."""
     parser = argparse.ArgumentParser(prog="ropekit", description="Rotary Position Embedding toolkit.")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="<verb>")
-    report = verbs.add_parser("report", help="verify RoPE's properties on the default configuration")
-    report.add_argument("--json", action="store_true", help="machine-readable output")
+
+    inspect = verbs.add_parser("inspect", help="a config's rotary frequencies, pair by pair",
+                               description="Print a config's RoPE: layout, dimensions, base, scaling rule, attention "
+                               "scale, and per pair theta_i, wavelength, rotations in the context and regime.")
+    _config_arguments(inspect)
+    inspect.add_argument("--context", type=_positive(int), help="context window in tokens (default: from the config)")
+    inspect.add_argument("--seq-len", type=_positive(int), help="length at which dynamic rules are evaluated "
+                         "(default: the context)")
+    inspect.add_argument("--no-bound", action="store_true", help="skip the base-bound search (Men et al. 2024)")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(func=cmd_inspect)
+
+    decay = verbs.add_parser("decay", help="RoFormer's long-term decay bound against distance",
+                             description="(1/(d/2)) sum_{j=1..d/2} |S_j|, S_j = sum_{i<j} exp(1j r theta_i), "
+                             "for r = 0..N (RoFormer eq. 37, Figure 2).")
+    decay.add_argument("--dim", type=int, required=True, help="rotary dimension d (even)")
+    decay.add_argument("--base", type=_positive(float), default=10000.0, help="RoPE base (default 10000)")
+    decay.add_argument("--max-distance", type=int, required=True, metavar="N", help="largest relative distance")
+    decay.add_argument("--png", metavar="PATH", help="also draw the curve into this PNG file")
+    decay.add_argument("--json", action="store_true", help="machine-readable output: keys distance and bound")
+    decay.set_defaults(func=cmd_decay)
+
+    report = verbs.add_parser("report", help="an HTML report with figures and live checks",
+                              description="Write DIR/index.html and PNG figures about a RoPE config (default: head_dim "
+                              "128, base 10000, 4096 tokens) and print the path.")
+    report.add_argument("--out", metavar="DIR", default="ropekit-report", help="output directory (default "
+                        "./ropekit-report)")
+    _config_arguments(report)
+    report.add_argument("--quick", action="store_true", help="small sizes: under a minute on two cores")
+    report.add_argument("--json", action="store_true", help="print a JSON summary instead of the path")
     report.set_defaults(func=cmd_report)
+
+    bench = verbs.add_parser("bench", help="speed of every backend against a plain copy")
+    bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    bench.add_argument("--device", choices=("cpu", "cuda"), help="default: CUDA when available")
+    bench.add_argument("--json", action="store_true", help="machine-readable output")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -81,9 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ropekit`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.verb != "bench":
+        torch.set_num_threads(1)  # the analyses are many small ops: one thread is faster on small machines
     try:
         return args.func(args)
-    except (UserError, ValueError, TypeError, FileNotFoundError) as exc:
+    except (UserError, ValueError, OSError) as exc:  # library validation errors name the argument and value
         print(f"ropekit {args.verb}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -5,16 +5,23 @@ reads and writes each element once; out of place it writes into ``torch.empty_li
 temporary of ``x``'s size). Arithmetic is float32 (float64 for float64 ``x``) without FMA
 contraction, so results equal the eager backend's bit for bit.
 
-The shared library is built with ``cc -O3 -march=native -ffp-contract=off`` into a per-user
-cache (``$ROPEKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/ropekit``, else ``~/.cache/ropekit``)
-under a name keyed by the source, flags, compiler version and CPU, written atomically.
+The shared library is built with ``cc -O3 -march=native -ffp-contract=off ...`` (see
+:data:`FLAG_SETS`) into a per-user cache (``$ROPEKIT_CACHE_DIR``, else
+``$XDG_CACHE_HOME/ropekit``, else ``~/.cache/ropekit``; a private temporary directory when that
+is not writable) under a name keyed by the source, flags, compiler version and CPU, written
+atomically (temporary file, then ``os.replace``).
 ``ROPEKIT_CC`` (else ``CC``) picks the compiler; ``ROPEKIT_DISABLE_NATIVE=1`` turns the
 backend off. Nothing happens at import: the first :func:`is_available` or :func:`rotate`
 compiles (about a second), and a failure is reported once as a ``RuntimeWarning`` and
 remembered, after which :func:`is_available` is ``False``.
 
-ctypes releases the GIL during the call, so large tensors are split by rows over
-``torch.get_num_threads()`` Python threads (the calling thread takes one share).
+ctypes releases the GIL during the call, so tensors from ``PARALLEL_MIN_BYTES`` on are split
+into chunks of rows run by ``torch.get_num_threads()`` threads (the caller and a shared pool).
+From ``PLAN_MIN_BYTES`` on, rows are visited in memory order, a few streams at a time
+(:func:`_plan`): one core then moves about as many bytes per second as ``x.mul_(1.0)``.
+See ``benchmarks/cpu_floor.py``.
+
+Nothing of this changes results: every row is computed the same way whatever the order or split.
 """
 
 from __future__ import annotations
@@ -38,16 +45,21 @@ import torch
 from . import torch_eager
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "rotary.c"
-# -ffp-contract=off: no FMA, so the float32 arithmetic is the eager backend's, bit for bit.
+# -ffp-contract=off: no FMA, so the arithmetic is the eager backend's, bit for bit.
+# -fno-tree-slp-vectorize: gcc 12's straight-line vectoriser turns the interleaved float64 pair
+# into vfmaddsub (a fused multiply-add) despite -ffp-contract=off; the loop vectoriser does not.
+_COMMON_FLAGS = ("-O3", "-std=c99", "-ffp-contract=off", "-fno-tree-slp-vectorize", "-fPIC", "-shared")
 FLAG_SETS = (
-    ("-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared"),
-    ("-O3", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared"),  # compilers without -march=native
+    ("-march=native", *_COMMON_FLAGS),
+    _COMMON_FLAGS,  # compilers without -march=native
 )
 MAX_LEADING_DIMS = 8
 # Below this many bytes of x one call on the calling thread beats handing rows to a pool.
 PARALLEL_MIN_BYTES = 1 << 20
+# The threaded path cuts the rows into this many chunks per thread (load balancing).
+CHUNKS_PER_THREAD = 4
 # From this many bytes of x on, rows are visited in the order of _plan (memory order, G streams).
-PLAN_MIN_BYTES = 1 << 18
+PLAN_MIN_BYTES = 1 << 20
 # Rows taken round-robin from this many separate runs of memory (see _plan).
 STREAMS = 4
 
@@ -57,7 +69,7 @@ _FLAG_INTERLEAVED, _FLAG_CONJUGATE, _FLAG_COPY_TAIL = 1, 2, 4
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "functions": {dtype: fn} once loaded, "error": str once failed
 _pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_pool_pid = 0
 
 
 def cache_dir() -> Path:
@@ -91,23 +103,30 @@ def _cpu_signature() -> str:
     return text
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the source (cached), trying each flag set in turn; return the library's path."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=60, check=False
     ).stdout
     source = SOURCE.read_bytes()
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK):
+            raise PermissionError(directory)
+    except OSError:  # read-only home: a private directory for this process only
+        directory = Path(tempfile.mkdtemp(prefix="ropekit-"))
     errors = []
-    for flags in FLAG_SETS:
+    for flag_set in FLAG_SETS:
+        flags = flag_set + tuple(extra_flags)
         key = hashlib.sha256(
             b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_signature().encode(),
                         platform.machine().encode()])
         ).hexdigest()[:20]
-        target = cache_dir() / f"rotary-{key}.so"
+        target = directory / f"rotary-{key}.so"
         if target.exists():
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".rotary-", suffix=".so", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=".rotary-", suffix=".so", dir=directory)
         os.close(fd)
         try:
             done = subprocess.run(
@@ -145,7 +164,11 @@ def _load() -> dict[torch.dtype, object]:
         raise RuntimeError(f"ropekit native CPU backend unavailable: {_state['error']}")
 
 
-def _open_library() -> dict[torch.dtype, object]:
+def _open_library(extra_flags: tuple[str, ...] = ()) -> dict[torch.dtype, object]:
+    """Build (or find in the cache) and load the library; its functions by dtype.
+
+    ``extra_flags`` go to the compiler after the defaults (tests build ``-DROPEKIT_PORTABLE``).
+    """
     if os.environ.get("ROPEKIT_DISABLE_NATIVE", "") not in ("", "0"):
         raise RuntimeError("disabled by ROPEKIT_DISABLE_NATIVE")
     machine = platform.machine().lower()
@@ -156,7 +179,7 @@ def _open_library() -> dict[torch.dtype, object]:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set ROPEKIT_CC or CC, or install cc/gcc/clang)")
-    library = ctypes.CDLL(str(_build(compiler)))
+    library = ctypes.CDLL(str(_build(compiler, extra_flags)))
     functions = {}
     for dtype, suffix in _SUFFIX.items():
         fn = getattr(library, f"ropekit_rotate_{suffix}")
@@ -178,29 +201,49 @@ def is_available() -> bool:
 def supports(x: torch.Tensor, inplace: bool = False) -> bool:
     """Whether :func:`rotate` runs ``x`` natively (else it falls back to the eager backend).
 
-    Needs a CPU tensor of float32/float64/bfloat16/float16 with last-dim stride 1 (or one
-    channel), at most 8 leading dims, and for ``inplace`` no leading dim aliased by stride 0.
+    Needs a strided CPU tensor of float32/float64/bfloat16/float16 with last-dim stride 1 (or
+    one channel), at most 8 leading dims, and for ``inplace`` no leading dim aliased by stride 0.
     """
-    if x.dtype not in _SUFFIX or x.device.type != "cpu":
+    if x.dtype not in _SUFFIX or not x.is_cpu or x.layout != torch.strided:
         return False
     shape, stride = x.shape, x.stride()
     if not 1 <= len(shape) <= MAX_LEADING_DIMS + 1 or (stride[-1] != 1 and shape[-1] > 1):
         return False
-    return not (inplace and 0 in stride and any(st == 0 and n > 1 for st, n in zip(stride, shape)))
+    return not (inplace and 0 in stride and any(st == 0 and n > 1 for st, n in zip(stride, shape, strict=True)))
 
 
 def _table(t: torch.Tensor, work: torch.dtype) -> torch.Tensor:
     """``t`` as ``work`` dtype on the CPU with last-dim stride 1 (a copy only when needed)."""
-    if t.dtype != work or t.device.type != "cpu":
+    if t.dtype != work or not t.is_cpu:
         t = t.to(device="cpu", dtype=work)
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         t = t.contiguous()
     return t
 
 
-def _leading_strides(t: torch.Tensor) -> list[int]:
-    """Strides of the leading dims, 0 where ``t`` has size 1 (broadcast)."""
-    return [0 if n == 1 else st for n, st in zip(t.shape[:-1], t.stride())]
+def _table_strides(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """Leading-dim strides of cos and sin (0 where broadcast), or None if they do not fit ``x``.
+
+    Fitting is the contract the kernel relies on, as it does no bounds checks: ``x.dim()``
+    dims, each 1 or x's size, and ``2 * cos.shape[-1] <= head_dim``. What does not fit goes to
+    the eager backend, which broadcasts or raises torch's error.
+    """
+    x_shape, shape = x.shape, cos.shape
+    if len(shape) != len(x_shape) or sin.shape != shape or 2 * shape[-1] > x_shape[-1]:
+        return None
+    cos_stride, sin_stride = cos.stride(), sin.stride()
+    cos_strides, sin_strides = [], []
+    for d in range(len(shape) - 1):
+        n = shape[d]
+        if n == 1:
+            cos_strides.append(0)
+            sin_strides.append(0)
+        elif n == x_shape[d]:
+            cos_strides.append(cos_stride[d])
+            sin_strides.append(sin_stride[d])
+        else:
+            return None
+    return cos_strides, sin_strides
 
 
 def _plan(sizes: list[int], strides: list[list[int]], streams: int) -> tuple[list[int], list[list[int]]]:
@@ -219,7 +262,7 @@ def _plan(sizes: list[int], strides: list[list[int]], streams: int) -> tuple[lis
     dims.sort(key=lambda dim: -abs(dim[1][0]))
     merged: list[tuple[int, tuple[int, ...]]] = []
     for n, st in dims:
-        if merged and all(outer == inner * n for outer, inner in zip(merged[-1][1], st)):
+        if merged and all(outer == inner * n for outer, inner in zip(merged[-1][1], st, strict=True)):
             merged[-1] = (merged[-1][0] * n, st)
         else:
             merged.append((n, st))
@@ -234,29 +277,43 @@ def _plan(sizes: list[int], strides: list[list[int]], streams: int) -> tuple[lis
     return [n for n, _ in merged], [[st[k] for _, st in merged] for k in range(4)]
 
 
-def _executor(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
-    with _lock:
-        if _pool is None or _pool_size < workers:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ropekit-cpu")
-            _pool_size = workers
-        return _pool
+def _executor() -> ThreadPoolExecutor:
+    """The shared worker pool (threads start on demand; a forked child makes its own)."""
+    global _pool, _pool_pid
+    pool = _pool
+    if pool is None or _pool_pid != os.getpid():
+        with _lock:
+            if _pool is None or _pool_pid != os.getpid():
+                _pool = ThreadPoolExecutor(max_workers=max(os.cpu_count() or 1, 2), thread_name_prefix="ropekit-cpu")
+                _pool_pid = os.getpid()
+            pool = _pool
+    return pool
 
 
-def _call(fn, args: tuple, rows: int, nbytes: int, min_parallel_bytes: int) -> None:
+def _call_threaded(fn, args: tuple, rows: int) -> int:
+    """Run the rows on torch's thread count: the calling thread and pool threads take chunks.
+
+    Chunks are handed out first come, first served (``next`` on a shared iterator is atomic
+    under the GIL), so a core that is busy elsewhere (say an OpenMP thread of the previous torch
+    op still spinning) just takes fewer of them instead of holding everyone up.
+    """
     threads = min(torch.get_num_threads(), rows)
-    if threads <= 1 or nbytes < min_parallel_bytes:
-        status = fn(*args, 0, rows)
-    else:
-        bounds = [rows * i // threads for i in range(threads + 1)]
-        pool = _executor(threads - 1)
-        futures = [pool.submit(fn, *args, bounds[i], bounds[i + 1]) for i in range(1, threads)]
-        status = fn(*args, bounds[0], bounds[1])
-        status = min([status] + [f.result() for f in futures])
-    if status != 0:
-        raise RuntimeError(f"ropekit native kernel rejected its arguments (status {status}); this is a bug")
+    if threads <= 1:
+        return fn(*args, 0, rows)
+    n_chunks = min(rows, CHUNKS_PER_THREAD * threads)
+    bounds = [rows * i // n_chunks for i in range(n_chunks + 1)]
+    chunks = iter(range(n_chunks))
+
+    def work() -> int:
+        status = 0
+        for i in chunks:
+            status = min(status, fn(*args, bounds[i], bounds[i + 1]))
+        return status
+
+    pool = _executor()
+    futures = [pool.submit(work) for _ in range(threads - 1)]
+    status = work()
+    return min([status] + [f.result() for f in futures])
 
 
 def rotate(
@@ -267,7 +324,6 @@ def rotate(
     layout: str,
     conjugate: bool = False,
     inplace: bool = False,
-    min_parallel_bytes: int | None = None,
 ) -> torch.Tensor:
     """Rotate the first ``2 * cos.shape[-1]`` channels of ``x``; the eager backend's contract.
 
@@ -278,8 +334,6 @@ def rotate(
         layout: ``"half"`` or ``"interleaved"``.
         conjugate: rotate by ``-theta`` (the backward pass).
         inplace: write into ``x`` and return it; otherwise return ``torch.empty_like(x)`` filled.
-        min_parallel_bytes: split over threads from this size of ``x`` on
-            (default :data:`PARALLEL_MIN_BYTES`).
 
     Returns:
         ``x`` itself (in place) or a new tensor with ``x``'s shape, dtype and strides.
@@ -289,27 +343,38 @@ def rotate(
         RuntimeError: the native library could not be built or loaded.
     """
     fn = (_state.get("functions") or _load()).get(x.dtype)  # type: ignore[union-attr]
-    if fn is None or not supports(x, inplace):
+    fit = _table_strides(x, cos, sin) if fn is not None and supports(x, inplace) else None
+    if fit is None or cos.layout != torch.strided or sin.layout != torch.strided:
         return torch_eager.rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+    cos_strides, sin_strides = fit
     out = x if inplace else torch.empty_like(x)
     numel = x.numel()
     if numel == 0:
         return out
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    cos, sin = _table(cos, work), _table(sin, work)
+    work = torch.float64 if x.dtype is torch.float64 else torch.float32
+    if cos.dtype is not work or sin.dtype is not work or not (cos.is_cpu and sin.is_cpu):
+        cos, sin = _table(cos, work), _table(sin, work)  # same shapes; strides can change
+        cos_strides, sin_strides = _table_strides(x, cos, sin)  # type: ignore[misc]
+    elif (cos.stride(-1) != 1 or sin.stride(-1) != 1) and cos.shape[-1] > 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        cos_strides, sin_strides = _table_strides(x, cos, sin)  # type: ignore[misc]
     flags = (_FLAG_INTERLEAVED if layout == "interleaved" else 0) | (_FLAG_CONJUGATE if conjugate else 0)
     if not inplace:
         flags |= _FLAG_COPY_TAIL
-    sizes = list(x.shape[:-1])
-    strides = [_leading_strides(x), _leading_strides(out), _leading_strides(cos), _leading_strides(sin)]
+    # x's size-1 dims may carry any stride (the kernel drops them); the tables' read 0 there
+    sizes = x.shape[:-1]
+    x_strides = x.stride()[:-1]
+    out_strides = x_strides if inplace else out.stride()[:-1]
     nbytes = numel * x.element_size()
     if nbytes >= PLAN_MIN_BYTES:
-        sizes, strides = _plan(sizes, strides, STREAMS)
-    params = array.array("q", [len(sizes), cos.shape[-1], x.shape[-1], flags, 1, 1, 1, 1, *sizes])
-    for st in strides:
-        params.extend(st)
+        sizes, (x_strides, out_strides, cos_strides, sin_strides) = _plan(
+            list(sizes), [list(x_strides), list(out_strides), cos_strides, sin_strides], STREAMS
+        )
+    params = array.array("q", (len(sizes), cos.shape[-1], x.shape[-1], flags, 1, 1, 1, 1, *sizes, *x_strides,
+                               *out_strides, *cos_strides, *sin_strides))
     rows = numel // x.shape[-1]
-    threshold = PARALLEL_MIN_BYTES if min_parallel_bytes is None else min_parallel_bytes
     args = (x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), params.buffer_info()[0])
-    _call(fn, args, rows, nbytes, threshold)
+    status = fn(*args, 0, rows) if nbytes < PARALLEL_MIN_BYTES else _call_threaded(fn, args, rows)
+    if status != 0:
+        raise RuntimeError(f"ropekit native kernel rejected its arguments (status {status}); this is a bug")
     return out

@@ -72,7 +72,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def hf_recipe(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """transformers' ``apply_rotary_pos_emb`` (full-width tables in the activation dtype)."""
+    """The recipe of transformers' ``apply_rotary_pos_emb`` (full-width tables in the activation dtype)."""
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -1,0 +1,1 @@
+"""Drop-in RoPE for other libraries' models: :mod:`ropekit.integrations.transformers` (``patch`` / ``unpatch``)."""

@@ -1,0 +1,146 @@
+"""Make a loaded Hugging Face ``transformers`` model compute its rotary embedding with ropekit.
+
+Works for the families whose modeling file has a model-level ``*RotaryEmbedding`` module returning
+``(cos, sin)`` and attention layers that call the module-level ``apply_rotary_pos_emb(q, k, cos, sin)``
+(Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-NeoX and their copies). :func:`patch`:
+
+* overrides each rotary module's ``forward`` (instance attribute) to return **float32** tables
+  ``(batch, seq, rotary_dim)`` (halves duplicated, as Hugging Face lays them out) computed by
+  :func:`ropekit.cos_sin` from float64 angles, whatever the activation dtype;
+* wraps each attention module's ``forward`` so that, while it runs, the modeling module's
+  ``apply_rotary_pos_emb`` rotates q/k with :func:`ropekit.apply_rotary` (half layout, float32
+  arithmetic, result in q's dtype). Other (unpatched) models sharing the modeling module keep the
+  original function: the replacement falls through to it when no patched attention is running.
+
+:func:`unpatch` removes the overrides; the model is then exactly as before (same outputs, bit for bit).
+Not thread-safe across concurrently running patched/unpatched models of the same family.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+
+from ..config import RopeConfig
+from ..frequencies import cos_sin
+from ..functional import apply_rotary
+
+_ACTIVE: list[tuple[str, str]] = []  # (layout, backend) of the patched attention now running
+_INSTALLED: dict[str, list[Any]] = {}  # modeling module name -> [original apply_rotary_pos_emb, users]
+_STATE = "_ropekit_patch"
+
+
+def _dispatcher(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
+        if not _ACTIVE:
+            return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
+        if args:
+            unsqueeze_dim = args[0]
+        layout, backend = _ACTIVE[-1]
+        half = cos.shape[-1] // 2  # full-width tables hold each half-table twice
+        cos_h = cos[..., :half].float().unsqueeze(unsqueeze_dim)
+        sin_h = sin[..., :half].float().unsqueeze(unsqueeze_dim)
+        return (apply_rotary(q, cos_h, sin_h, layout=layout, backend=backend),
+                apply_rotary(k, cos_h, sin_h, layout=layout, backend=backend))
+
+    apply_rotary_pos_emb.__ropekit_original__ = original
+    return apply_rotary_pos_emb
+
+
+def _rotary_forward(inv_freq: torch.Tensor, attention_scale: float):
+    def forward(self, x, position_ids=None, *args, **kwargs):
+        """``(cos, sin)`` float32 of shape ``position_ids.shape + (rotary_dim,)``."""
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[-2], device=x.device)[None]
+        cos, sin = cos_sin(position_ids, inv_freq, attention_scale=attention_scale)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+    return forward
+
+
+def _attention_forward(original, layout: str, backend: str):
+    def forward(self, *args, **kwargs):
+        _ACTIVE.append((layout, backend))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _ACTIVE.pop()
+
+    return forward
+
+
+def _modeling_module(module: torch.nn.Module):
+    mod = sys.modules.get(type(module).__module__)
+    return mod if mod is not None and callable(getattr(mod, "apply_rotary_pos_emb", None)) else None
+
+
+def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: str = "auto") -> torch.nn.Module:
+    """Compute ``model``'s RoPE with ropekit; returns ``model`` (patched in place).
+
+    Args:
+        model: a loaded ``transformers`` model (e.g. ``LlamaForCausalLM``) of a supported family.
+        rope: the rotary embedding to use instead of the model's own (e.g. a YaRN context
+            extension); default ``RopeConfig.from_hf(model.config)``. Its ``head_dim``/``rotary_dim``
+            must match the model's and its layout must be ``"half"`` (Hugging Face weights).
+        backend: ropekit backend for the rotation (``"auto"`` or a name from ``ropekit.backends.available()``).
+
+    Raises:
+        ValueError: already patched, no rotary/attention module found, or ``rope`` that does not fit.
+    """
+    if getattr(model, _STATE, None) is not None:
+        raise ValueError("model is already patched by ropekit; call unpatch(model) first")
+    own = RopeConfig.from_hf(model.config)
+    rope = own if rope is None else rope
+    if not isinstance(rope, RopeConfig):
+        raise TypeError(f"rope must be a ropekit.RopeConfig or None, got {type(rope).__name__}")
+    if (rope.head_dim, rope.rotary_dim) != (own.head_dim, own.rotary_dim):
+        raise ValueError(f"rope has head_dim {rope.head_dim}, rotary_dim {rope.rotary_dim}; the model has "
+                         f"head_dim {own.head_dim}, rotary_dim {own.rotary_dim}")
+    if rope.layout != "half":
+        raise ValueError(f"rope.layout must be 'half' for Hugging Face weights, got {rope.layout!r}")
+    if getattr(rope.scaling, "dynamic", False) and getattr(rope.scaling, "fixed_seq_len", None) is None:
+        raise ValueError("length-dependent scaling (dynamic NTK, LongRoPE) needs fixed_seq_len for a KV cache; "
+                         "use RopeConfig.from_hf(config, fixed_seq_len=...)")
+    inv_freq, scale = rope.inv_frequencies()
+    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq")]
+    attention = [m for m in model.modules() if type(m).__name__.endswith("Attention") and _modeling_module(m)]
+    if not rotary or not attention:
+        raise ValueError(f"{type(model).__name__}: found {len(rotary)} rotary embedding and {len(attention)} "
+                         "attention modules; ropekit.integrations.transformers supports models with a "
+                         "*RotaryEmbedding module and apply_rotary_pos_emb (Llama, Mistral, Qwen2/3, Phi-3, GPT-NeoX)")
+    for m in rotary:
+        m.forward = types.MethodType(_rotary_forward(inv_freq.to(m.inv_freq.device), scale), m)
+    modules = []
+    for m in attention:
+        m.forward = types.MethodType(_attention_forward(m.forward, "half", backend), m)
+        mod = _modeling_module(m)
+        if mod.__name__ not in modules:
+            modules.append(mod.__name__)
+    for name in modules:
+        mod = sys.modules[name]
+        if name not in _INSTALLED:
+            _INSTALLED[name] = [mod.apply_rotary_pos_emb, 0]
+            mod.apply_rotary_pos_emb = _dispatcher(mod.apply_rotary_pos_emb)
+        _INSTALLED[name][1] += 1
+    setattr(model, _STATE, {"rotary": rotary, "attention": attention, "modules": modules, "rope": rope})
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`patch`: remove the forward overrides and, when no patched model uses it, the dispatcher."""
+    state = getattr(model, _STATE, None)
+    if state is None:
+        raise ValueError("model is not patched by ropekit")
+    for m in state["rotary"] + state["attention"]:
+        m.__dict__.pop("forward", None)
+    for name in state["modules"]:
+        entry = _INSTALLED[name]
+        entry[1] -= 1
+        if entry[1] == 0:
+            sys.modules[name].apply_rotary_pos_emb = entry[0]
+            del _INSTALLED[name]
+    delattr(model, _STATE)
+    return model

@@ -1,0 +1,123 @@
+"""Minimal HTML building blocks for the report: escaped text, tables that scroll, captioned figures, the page.
+
+The page is self-contained: inline CSS, no script, no external font, image or stylesheet;
+images are PNG files next to ``index.html``, referenced by relative name.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+CSS = """
+:root{color-scheme:light dark;--fg:#1f2328;--bg:#fff;--muted:#59636e;--line:#d1d9e0;--ok:#1a7f37;--bad:#d1242f;
+--code:#eff2f5}
+@media (prefers-color-scheme:dark){:root{--fg:#e6edf3;--bg:#0d1117;--muted:#9198a1;--line:#3d444d;--ok:#3fb950;
+--bad:#f85149;--code:#1f242c}}
+*{box-sizing:border-box}
+body{margin:0 auto;max-width:62rem;padding:1rem 1rem 3rem;font:16px/1.5 system-ui,-apple-system,"Segoe UI",Roboto,
+sans-serif;color:var(--fg);background:var(--bg);overflow-wrap:break-word}
+h1{font-size:1.55rem;line-height:1.25;margin:.5rem 0}
+h2{font-size:1.2rem;border-bottom:1px solid var(--line);padding-bottom:.2rem;margin-top:2.2rem}
+p,li{max-width:48rem}
+.muted{color:var(--muted);font-size:.9rem}
+figure{margin:1rem 0}
+img{max-width:100%;height:auto;display:block;background:#fff;border:1px solid var(--line);border-radius:4px}
+.panels{display:flex;flex-wrap:wrap;gap:.5rem}.panels img{flex:1 1 20rem;min-width:0;width:100%}
+figcaption{font-size:.9rem;color:var(--muted);margin-top:.35rem;max-width:48rem}
+.scroll{overflow-x:auto;-webkit-overflow-scrolling:touch;margin:.5rem 0 1rem;max-width:100%}
+table{border-collapse:collapse;font-size:.86rem;font-variant-numeric:tabular-nums}
+th,td{border-bottom:1px solid var(--line);padding:.22rem .55rem;text-align:right;white-space:nowrap;vertical-align:top}
+th{background:var(--code)}
+th:first-child,td:first-child,th.text,td.text,td.str{text-align:left}
+td.text{white-space:normal;min-width:16rem}
+table.kv td{text-align:left;white-space:normal}table.kv td:first-child{white-space:nowrap;color:var(--muted)}
+.ok{color:var(--ok);font-weight:600}.bad{color:var(--bad);font-weight:600}
+code{background:var(--code);padding:0 .25rem;border-radius:3px;font-size:.88em}
+nav ol{columns:2;padding-left:1.4rem;margin:.3rem 0}
+details{margin:.5rem 0}summary{cursor:pointer;color:var(--muted)}
+@media (max-width:640px){body{font-size:15px;padding:.7rem .7rem 2rem}nav ol{columns:1}h1{font-size:1.3rem}}
+"""
+
+
+TEXT = ' class="text"'
+
+
+def esc(value: Any) -> str:
+    """``value`` as escaped HTML text."""
+    return html.escape(str(value), quote=True)
+
+
+def num(value: Any, digits: int = 4) -> str:
+    """A compact number: integral values with thousands separators, others with ``digits`` significant digits."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if value.is_integer() and abs(value) < 1e9:
+            return f"{int(value):,}"
+        if 1e3 <= abs(value) < 1e9:
+            return f"{value:,.0f}"
+        if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
+            return f"{value:.{digits - 1}e}"
+        return f"{value:.{digits}g}"
+    return esc(value)
+
+
+def table(
+    header: Sequence[str] | None, rows: Iterable[Sequence[Any]], *, text_columns: Sequence[int] = (), cls: str = ""
+) -> str:
+    """A table inside a horizontally scrolling box; cells are numbers (formatted) or raw HTML strings.
+
+    Strings are inserted as they are (the caller escapes text with :func:`esc`) and align left;
+    other values go through :func:`num` and align right. Columns in ``text_columns`` also wrap.
+    """
+    head = ""
+    if header is not None:
+        cells = "".join(f"<th{TEXT if i in text_columns else ''}>{esc(h)}</th>" for i, h in enumerate(header))
+        head = f"<thead><tr>{cells}</tr></thead>"
+    body = []
+    for row in rows:
+        cells = []
+        for i, cell in enumerate(row):
+            kind = "text" if i in text_columns else "str" if isinstance(cell, str) else ""
+            content = cell if isinstance(cell, str) else num(cell)
+            cells.append(f'<td class="{kind}">{content}</td>' if kind else f"<td>{content}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    table_cls = f' class="{cls}"' if cls else ""
+    return f'<div class="scroll"><table{table_cls}>{head}<tbody>{"".join(body)}</tbody></table></div>'
+
+
+def figure(sources: Sequence[str], caption: str, alt: str) -> str:
+    """A ``<figure>`` with relative images (panels side by side, stacked on a narrow screen) and a caption.
+
+    ``caption`` is HTML, ``alt`` plain text (numbered per panel when there are several).
+    """
+    images = "".join(
+        f'<img src="{esc(src)}" alt="{esc(alt if len(sources) == 1 else f"{alt} ({k + 1} of {len(sources)})")}">'
+        for k, src in enumerate(sources))
+    if len(sources) > 1:
+        images = f'<div class="panels">{images}</div>'
+    return f"<figure>{images}<figcaption>{caption}</figcaption></figure>"
+
+
+def page(title: str, intro: str, sections: Sequence[tuple[str, str, str]], footer: str) -> str:
+    """The whole document: ``sections`` are ``(id, title, body html)``."""
+    nav = "".join(f'<li><a href="#{esc(sid)}">{esc(stitle)}</a></li>' for sid, stitle, _ in sections)
+    body = "".join(f'<section id="{esc(sid)}"><h2>{esc(stitle)}</h2>{content}</section>'
+                   for sid, stitle, content in sections)
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{esc(title)}</title><style>{CSS}</style></head><body>"
+        f"<header><h1>{esc(title)}</h1>{intro}</header>"
+        f"<nav><ol>{nav}</ol></nav><main>{body}</main>"
+        f'<footer><p class="muted">{footer}</p></footer></body></html>\n'
+    )

@@ -1,0 +1,356 @@
+"""The native CPU backend (``csrc/rotary.c`` through ctypes) against the float64 reference and eager.
+
+The kernel computes exactly the eager backend's expression (float32, or float64 for float64
+inputs; no FMA; one rounding to the output dtype), so it is checked bit for bit against
+``torch_eager.rotate`` and, independently, within one ulp of the output dtype (relative to the
+largest output) against the float64 rotation matrices of ``ropekit.apply_reference``.
+"""
+
+import array
+import contextlib
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ropekit
+from ropekit.backends import cpu_native, torch_eager
+
+torch.set_num_threads(1)
+
+pytestmark = pytest.mark.skipif(
+    not cpu_native.is_available(), reason="native CPU backend unavailable (no C compiler or unsupported machine)"
+)
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+LAYOUTS = ["half", "interleaved"]
+
+
+@contextlib.contextmanager
+def module_setting(name, value):
+    """Temporarily change a module constant of cpu_native (hypothesis and fixtures do not mix)."""
+    old = getattr(cpu_native, name)
+    setattr(cpu_native, name, value)
+    try:
+        yield
+    finally:
+        setattr(cpu_native, name, old)
+
+
+@contextlib.contextmanager
+def torch_threads(n):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def assert_same(actual, expected):
+    """Bit-equal up to NaN payloads."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def native(x, cos, sin, **kwargs):
+    """cpu_native.rotate, asserting that the inputs take the native path (not the eager fallback)."""
+    assert cpu_native.supports(x, kwargs.get("inplace", False)) and cpu_native._table_strides(x, cos, sin)
+    return cpu_native.rotate(x, cos, sin, **kwargs)
+
+
+def bits(t):
+    """The raw bits of t, for bit-for-bit comparisons that also cover NaN payloads."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def tables(positions, inv_freq, dtype):
+    """cos/sin as the kernels get them: float32 from ropekit.cos_sin, exact float64 for float64 x."""
+    if dtype == torch.float64:
+        angles = positions.to(torch.float64)[..., None] * inv_freq
+        return torch.cos(angles), torch.sin(angles)
+    return ropekit.cos_sin(positions, inv_freq)
+
+
+def assert_near_reference(y, x, positions, inv_freq, layout, conjugate):
+    """|y - reference| <= 1 ulp of y's dtype at the reference's largest magnitude."""
+    pos = positions.expand(x.shape[:-1])
+    ref = ropekit.apply_reference(x, -pos if conjugate else pos, inv_freq, layout=layout)
+    err = (y.to(torch.float64) - ref).abs().max().item() if y.numel() else 0.0
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    assert err <= torch.finfo(y.dtype).eps * scale, (err, scale)
+
+
+@st.composite
+def cases(draw):
+    lead = draw(st.lists(st.integers(1, 5), min_size=1, max_size=4))
+    half = draw(st.sampled_from([1, 2, 4, 8, 12, 16, 20, 32]))  # rotary_dim 24, 40 among them
+    head_dim = 2 * half + draw(st.sampled_from([0, 0, 2, 6]))
+    # which leading axes the table varies along (the others broadcast): seq only, batch and
+    # seq, per token, one position (decode), ...
+    varies = [draw(st.booleans()) for _ in lead]
+    view = draw(st.sampled_from(["contiguous", "transposed", "sliced"]))
+    return {
+        "lead": lead,
+        "half": half,
+        "head_dim": head_dim,
+        "varies": varies,
+        "view": view,
+        "dtype": draw(st.sampled_from(DTYPES)),
+        "layout": draw(st.sampled_from(LAYOUTS)),
+        "conjugate": draw(st.booleans()),
+        "inplace": draw(st.booleans()),
+        "plan": draw(st.booleans()),  # the reordered row walk used for large tensors
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def make_x(lead, head_dim, view, dtype, gen):
+    """x of shape lead + (head_dim,), as a contiguous tensor or a strided view."""
+    shape = tuple(lead) + (head_dim,)
+    if view == "transposed" and len(lead) >= 2:  # (b, s, h, d) storage seen as (b, h, s, d)
+        base = torch.randn(shape[:-3] + (shape[-2], shape[-3], head_dim), generator=gen)
+        x = base.transpose(-2, -3)
+    elif view == "sliced":  # every other head of a larger tensor, from an offset
+        base = torch.randn((2 * shape[0] + 1,) + shape[1:], generator=gen)
+        x = base[1::2]
+    else:
+        x = torch.randn(shape, generator=gen)
+    return (x * 4).to(dtype)
+
+
+@settings(max_examples=120)
+@given(cases())
+def test_matches_eager_and_reference(case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype, layout = case["dtype"], case["layout"]
+    x = make_x(case["lead"], case["head_dim"], case["view"], dtype, gen)
+    table_lead = [n if v else 1 for n, v in zip(case["lead"], case["varies"], strict=True)]
+    positions = torch.randint(0, 5000, table_lead, generator=gen)
+    inv_freq, _ = ropekit.inv_frequencies(2 * case["half"])
+    cos, sin = tables(positions, inv_freq, dtype)
+    kwargs = {"layout": layout, "conjugate": case["conjugate"]}
+
+    expected = torch_eager.rotate(x, cos, sin, **kwargs)
+    before = x.clone()
+    with module_setting("PLAN_MIN_BYTES", 0 if case["plan"] else cpu_native.PLAN_MIN_BYTES):
+        y = native(x, cos, sin, inplace=case["inplace"], **kwargs)
+    if case["inplace"]:
+        assert y is x
+    else:
+        assert y.data_ptr() != x.data_ptr() and y.stride() == torch.empty_like(x).stride()
+        assert_same(x, before)
+    assert_same(y, expected)
+    assert_near_reference(y, before, positions, inv_freq, layout, case["conjugate"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_conjugate_inverts(dtype, layout):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 7, 64, generator=gen).to(dtype)
+    cos, sin = tables(torch.arange(7), ropekit.inv_frequencies(40)[0], dtype)
+    cos, sin = cos[None, None], sin[None, None]
+    y = native(x, cos, sin, layout=layout)
+    back = native(y, cos, sin, layout=layout, conjugate=True)
+    # two roundings to dtype (and float32 tables that are not exactly unit-norm)
+    tol = 4 * torch.finfo(dtype).eps * x.abs().max().item() + 1e-6 * (dtype != torch.float64)
+    assert (back.double() - x.double()).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_threaded_split_equals_single_call(dtype, layout, inplace):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 5, 37, 40, generator=gen).to(dtype)  # rows split unevenly
+    cos, sin = tables(torch.arange(37), ropekit.inv_frequencies(24)[0], dtype)
+    cos, sin = cos[None, :, None], sin[None, :, None]
+    x = x.transpose(1, 2)  # (3, 37, 5, 40) view, table broadcast over the heads
+    single = native(x.clone(), cos, sin, layout=layout, inplace=inplace)
+    with torch_threads(3), module_setting("PLAN_MIN_BYTES", 0), module_setting("PARALLEL_MIN_BYTES", 0):
+        threaded = native(x.clone(), cos, sin, layout=layout, inplace=inplace)
+    assert torch.equal(bits(threaded), bits(single))
+    assert cpu_native._pool is not None
+
+
+def test_large_tensor_with_plan_and_threads():
+    """The prefill case at a size where the reordered walk and the thread split kick in."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 8, 300, 64, generator=gen)
+    cos, sin = ropekit.cos_sin(torch.arange(300), ropekit.inv_frequencies(64)[0])
+    cos, sin = cos[None, None], sin[None, None]
+    expected = torch_eager.rotate(x, cos, sin, layout="half")
+    with torch_threads(2), module_setting("PARALLEL_MIN_BYTES", 0):
+        assert_same(native(x, cos, sin, layout="half"), expected)
+        bf = x.bfloat16()
+        assert_same(native(bf.clone(), cos, sin, layout="half", inplace=True),
+                    torch_eager.rotate(bf, cos, sin, layout="half"))
+
+
+def all_16_bit_patterns(dtype):
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_16_bit_value_converts_like_torch(dtype, layout):
+    """All 65536 inputs (subnormals, inf, NaN) in, and products rounding to every kind of output."""
+    values = all_16_bit_patterns(dtype)
+    other = values.flip(0)
+    x = torch.stack([values, other], dim=-1).reshape(-1, 32, 2)  # pairs (value, other)
+    if layout == "half":
+        x = x.transpose(-1, -2).reshape(-1, 64).contiguous()
+    x = x.reshape(-1, 64)
+    gen = torch.Generator().manual_seed(4)
+    for cos, sin in [
+        (torch.ones(1, 32), torch.zeros(1, 32)),  # identity: load/store round trip
+        (torch.rand(x.shape[0], 32, generator=gen) * 3, torch.randn(x.shape[0], 32, generator=gen)),
+        (torch.full((1, 32), 1.0 + 2.0**-9), torch.full((1, 32), 2.0**-12)),  # ties and near-ties
+    ]:
+        expected = torch_eager.rotate(x, cos, sin, layout=layout)
+        assert_same(native(x, cos, sin, layout=layout), expected)
+
+
+@pytest.fixture(scope="module")
+def portable_functions(tmp_path_factory):
+    """The library built without the AVX2/F16C paths (what non-x86 machines run)."""
+    old = os.environ.get("ROPEKIT_CACHE_DIR")
+    os.environ["ROPEKIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("ropekit-cache"))
+    try:
+        return cpu_native._open_library(("-DROPEKIT_PORTABLE",))
+    finally:
+        if old is None:
+            del os.environ["ROPEKIT_CACHE_DIR"]
+        else:
+            os.environ["ROPEKIT_CACHE_DIR"] = old
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_portable_build_matches_eager(portable_functions, dtype, layout):
+    gen = torch.Generator().manual_seed(5)
+    saved = cpu_native._state["functions"]
+    cpu_native._state["functions"] = portable_functions
+    try:
+        for half in (1, 7, 12, 16, 20, 33, 64):
+            x = (torch.randn(3, 5, 2 * half + 2, generator=gen) * 100).to(dtype)
+            cos, sin = tables(torch.arange(5), ropekit.inv_frequencies(2 * half)[0], dtype)
+            cos, sin = cos[None], sin[None]
+            for conjugate in (False, True):
+                expected = torch_eager.rotate(x, cos, sin, layout=layout, conjugate=conjugate)
+                assert_same(native(x, cos, sin, layout=layout, conjugate=conjugate), expected)
+                assert_same(native(x.clone(), cos, sin, layout=layout, conjugate=conjugate, inplace=True), expected)
+        values = all_16_bit_patterns(dtype).reshape(-1, 64) if dtype.itemsize == 2 else None
+        if values is not None:
+            rows = values.shape[0]
+            cos, sin = torch.rand(rows, 32, generator=gen) * 3, torch.randn(rows, 32, generator=gen)
+            assert_same(native(values, cos, sin, layout=layout),
+                        torch_eager.rotate(values, cos, sin, layout=layout))
+    finally:
+        cpu_native._state["functions"] = saved
+
+
+def test_unsupported_inputs_fall_back_to_eager():
+    gen = torch.Generator().manual_seed(6)
+    cos, sin = ropekit.cos_sin(torch.arange(4), ropekit.inv_frequencies(8)[0])
+    cos, sin = cos[None], sin[None]
+    strided = torch.randn(2, 4, 32, generator=gen)[..., ::2]  # last-dim stride 2
+    assert not cpu_native.supports(strided)
+    expected = torch_eager.rotate(strided, cos, sin, layout="half")
+    assert_same(cpu_native.rotate(strided, cos, sin, layout="half"), expected)
+    expanded = torch.randn(1, 4, 16, generator=gen).expand(3, 4, 16)  # rows alias each other
+    assert cpu_native.supports(expanded) and not cpu_native.supports(expanded, inplace=True)
+    assert_same(native(expanded, cos, sin, layout="half"), torch_eager.rotate(expanded, cos, sin, layout="half"))
+    assert_same(cpu_native.rotate(expanded.clone(), cos[0], sin[0], layout="half"),  # tables with fewer dims
+                torch_eager.rotate(expanded, cos[0], sin[0], layout="half"))
+    ints = torch.ones(4, 16, dtype=torch.int32)
+    assert not cpu_native.supports(ints)
+
+
+def test_tables_are_converted_and_empty_inputs_work():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 4, 16, generator=gen)
+    cos, sin = ropekit.cos_sin(torch.arange(4), ropekit.inv_frequencies(16)[0])
+    cos, sin = cos[None], sin[None]
+    transposed_storage = cos[0].t().contiguous().t()[None]  # last-dim stride 4
+    for c, s in [(cos.double(), sin.double()), (cos.bfloat16(), sin.bfloat16()), (transposed_storage, sin)]:
+        assert_same(native(x, c, s, layout="interleaved"), torch_eager.rotate(x, c, s, layout="interleaved"))
+    empty = torch.empty(0, 4, 16)
+    assert native(empty, cos, sin, layout="half").shape == empty.shape
+    one = torch.randn(16, generator=gen)  # no leading dims at all
+    assert_same(native(one, cos[0, 0], sin[0, 0], layout="half"),
+                torch_eager.rotate(one, cos[0, 0], sin[0, 0], layout="half"))
+
+
+def test_kernel_rejects_bad_params():
+    fn = cpu_native._load()[torch.float32]
+    x = torch.zeros(4, 8)
+    c = torch.zeros(4, 4)
+    ok = [1, 4, 8, 0, 1, 1, 1, 1, 4, 8, 8, 4, 4]
+
+    def call(params, begin=0, end=4):
+        buf = array.array("q", params)
+        return fn(x.data_ptr(), x.data_ptr(), c.data_ptr(), c.data_ptr(), buf.buffer_info()[0], begin, end)
+
+    assert call(ok) == 0
+    assert call([9] + ok[1:]) == -1  # too many leading dims
+    assert call(ok[:4] + [2] + ok[5:]) == -1  # last-dim stride of x not 1
+    assert call([1, 5, 8] + ok[3:]) == -1  # rotary_dim > head_dim
+    assert call(ok, 0, 5) == -1  # rows out of range
+    assert call(ok, 3, 2) == -1
+
+
+def offsets(sizes, strides):
+    """Every row's (x, out, cos, sin) offsets, in visiting order."""
+    rows = [(0, 0, 0, 0)]
+    for d, n in enumerate(sizes):
+        rows = [tuple(o + i * st[d] for o, st in zip(row, strides, strict=True)) for row in rows for i in range(n)]
+    return rows
+
+
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=5), st.data())
+def test_plan_visits_every_row_once(sizes, data):
+    contiguous = []
+    step = 64
+    for n in reversed(sizes):
+        contiguous.insert(0, step)
+        step *= n
+    order = data.draw(st.permutations(range(len(sizes))))
+    x_strides = [contiguous[i] for i in order]  # a permuted (transposed) view
+    table = [data.draw(st.sampled_from([0, 32 * (d + 1)])) for d in range(len(sizes))]
+    strides = [x_strides, contiguous, table, table]
+    new_sizes, new_strides = cpu_native._plan(list(sizes), [list(s) for s in strides], 4)
+    assert len(new_sizes) <= cpu_native.MAX_LEADING_DIMS
+    assert sorted(offsets(new_sizes, new_strides)) == sorted(offsets(sizes, strides))
+
+
+def test_unavailable_backend_warns_once_and_raises(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_native, "_state", {})
+    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ROPEKIT_CC", "false")  # a "compiler" that always fails
+    with pytest.warns(RuntimeWarning, match="unavailable"):
+        assert not cpu_native.is_available()
+    assert not cpu_native.is_available()  # no second warning (pytest's filter would raise here)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cpu_native.rotate(torch.zeros(2, 4), torch.ones(1, 2), torch.zeros(1, 2), layout="half")
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setattr(cpu_native, "_state", {})
+    monkeypatch.setenv("ROPEKIT_DISABLE_NATIVE", "1")
+    with pytest.warns(RuntimeWarning, match="ROPEKIT_DISABLE_NATIVE"):
+        assert not cpu_native.is_available()
+
+
+def test_library_is_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path))
+    compiler = cpu_native._compiler()
+    first = cpu_native._build(compiler, ("-DROPEKIT_PORTABLE",))
+    stamp = first.stat().st_mtime_ns
+    assert cpu_native._build(compiler, ("-DROPEKIT_PORTABLE",)) == first
+    assert first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]

@@ -1,0 +1,269 @@
+"""``ropekit convert``: layout conversion of checkpoints (safetensors single/sharded, torch .bin)."""
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ropekit.tools import checkpoint_io
+from ropekit.tools import convert as conv
+
+torch.set_num_threads(1)
+
+HEADS, KV, HEAD_DIM, HIDDEN = 4, 2, 8, 16
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    conv.add_parser(parser.add_subparsers(dest="verb"))
+    return parser.parse_args(["convert", *map(str, argv)])
+
+
+def run(*argv):
+    return conv.run(parse(*argv))
+
+
+def state(layers=2, bias=False, meta=False, kv=KV, head_dim=HEAD_DIM):
+    g = torch.Generator().manual_seed(1)
+    sd = {}
+    for i in range(layers):
+        if meta:
+            p = f"layers.{i}.attention."
+            names = {"q": p + "wq", "k": p + "wk", "v": p + "wv"}
+        else:
+            p = f"model.layers.{i}.self_attn."
+            names = {"q": p + "q_proj", "k": p + "k_proj", "v": p + "v_proj"}
+        sd[names["q"] + ".weight"] = torch.randn(HEADS * head_dim, HIDDEN, generator=g).to(torch.bfloat16)
+        sd[names["k"] + ".weight"] = torch.randn(kv * head_dim, HIDDEN, generator=g).to(torch.bfloat16)
+        sd[names["v"] + ".weight"] = torch.randn(kv * head_dim, HIDDEN, generator=g).to(torch.float16)
+        if bias:
+            sd[names["q"] + ".bias"] = torch.randn(HEADS * head_dim, generator=g).to(torch.bfloat16)
+            sd[names["k"] + ".bias"] = torch.randn(kv * head_dim, generator=g).to(torch.bfloat16)
+    sd["model.embed_tokens.weight"] = torch.randn(32, HIDDEN, generator=g).to(torch.float16)
+    sd["model.norm.weight"] = torch.randn(HIDDEN, generator=g)
+    sd["step"] = torch.tensor([7], dtype=torch.int64)
+    return sd
+
+
+def write_sharded(sd, directory: Path):
+    directory.mkdir()
+    names = list(sd)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    weight_map = {}
+    for fname, keys in shards.items():
+        save_file({k: sd[k] for k in keys}, str(directory / fname), metadata={"format": "pt", "origin": fname})
+        weight_map.update({k: fname for k in keys})
+    index = {"metadata": {"total_size": 123}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return directory
+
+
+def digest(path: Path):
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    return {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.is_file()}
+
+
+def assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert torch.equal(a[name].view(torch.uint8) if a[name].dim() else a[name],
+                           b[name].view(torch.uint8) if b[name].dim() else b[name]), name
+
+
+def test_single_file_round_trip_bit_exact(tmp_path):
+    sd = state(bias=True)
+    src = tmp_path / "model.safetensors"
+    save_file(sd, str(src), metadata={"format": "pt", "note": "keep me"})
+    before = digest(src)
+    assert run(src, tmp_path / "inter.safetensors", "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV) == 0
+    assert run(tmp_path / "inter.safetensors", tmp_path / "back.safetensors", "--to", "half",
+               "--heads", HEADS, "--kv-heads", KV) == 0
+    assert digest(src) == before  # input untouched
+    inter = load_file(str(tmp_path / "inter.safetensors"))
+    assert_identical(load_file(str(tmp_path / "back.safetensors")), sd)
+    for name in sd:
+        changed = not torch.equal(inter[name].float(), sd[name].float())
+        assert changed == (("q_proj" in name) or ("k_proj" in name)), name
+        assert inter[name].dtype == sd[name].dtype
+    with safe_open(str(tmp_path / "inter.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt", "note": "keep me"}
+
+
+def test_permutation_matches_layouts_permute(tmp_path):
+    sd = state(bias=True)
+    src = tmp_path / "m.safetensors"
+    save_file(sd, str(src))
+    run(src, tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV)
+    out = load_file(str(tmp_path / "o.safetensors"))
+    from ropekit import permute_qk_weight
+
+    cases = (("model.layers.0.self_attn.q_proj.weight", HEADS), ("model.layers.1.self_attn.k_proj.bias", KV))
+    for name, heads in cases:
+        assert torch.equal(out[name], permute_qk_weight(sd[name], heads, src="half", dst="interleaved"))
+
+
+def test_sharded_with_index(tmp_path):
+    sd = state(layers=3, bias=True)
+    src = write_sharded(sd, tmp_path / "src")
+    before = digest(src)
+    assert run(src / "model.safetensors.index.json", tmp_path / "dst", "--to", "interleaved",
+               "--heads", HEADS, "--kv-heads", KV, "--verify") == 0
+    assert run(tmp_path / "dst", tmp_path / "back", "--to", "half", "--heads", HEADS, "--kv-heads", KV) == 0
+    assert digest(src) == before
+    for d in ("dst", "back"):
+        index = json.loads((tmp_path / d / "model.safetensors.index.json").read_text())
+        assert index == json.loads((src / "model.safetensors.index.json").read_text())
+        for fname in set(index["weight_map"].values()):
+            with safe_open(str(tmp_path / d / fname), "pt") as f:
+                assert f.metadata() == {"format": "pt", "origin": fname}
+                assert set(f.keys()) == {k for k, v in index["weight_map"].items() if v == fname}
+    back = {}
+    for fname in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        back.update(load_file(str(tmp_path / "back" / fname)))
+    assert_identical(back, sd)
+
+
+def test_torch_bin_meta_names(tmp_path):
+    sd = state(meta=True)
+    sd["tok_embeddings.weight"] = sd.pop("model.embed_tokens.weight")
+    sd["output.weight"] = sd["tok_embeddings.weight"]  # tied: shares storage
+    src = tmp_path / "consolidated.00.pth"
+    torch.save(sd, src)
+    before = digest(src)
+    assert run(src, tmp_path / "hf.safetensors", "--from", "interleaved", "--to", "half",
+               "--heads", HEADS, "--kv-heads", KV, "--verify") == 0
+    assert digest(src) == before
+    out = load_file(str(tmp_path / "hf.safetensors"))
+    from ropekit import permute_qk_weight
+
+    assert torch.equal(out["layers.0.attention.wq.weight"],
+                       permute_qk_weight(sd["layers.0.attention.wq.weight"], HEADS, src="interleaved", dst="half"))
+    assert torch.equal(out["layers.1.attention.wk.weight"],
+                       permute_qk_weight(sd["layers.1.attention.wk.weight"], KV, src="interleaved", dst="half"))
+    assert torch.equal(out["output.weight"], sd["output.weight"])
+
+
+def test_bin_into_directory_and_config(tmp_path):
+    sd = state(bias=True)
+    (tmp_path / "in").mkdir()
+    torch.save(sd, tmp_path / "in" / "pytorch_model.bin")
+    config = {"model_type": "qwen2", "hidden_size": HEADS * HEAD_DIM, "num_attention_heads": HEADS,
+              "num_key_value_heads": KV, "rope_theta": 1e6}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "out").mkdir()
+    assert run(tmp_path / "in", tmp_path / "out", "--to", "interleaved", "--config", tmp_path / "config.json",
+               "--verify") == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_partial_rotary_leaves_tail(tmp_path):
+    sd = state(bias=True, head_dim=8)
+    src = tmp_path / "m.safetensors"
+    save_file(sd, str(src))
+    config = {"model_type": "phi3", "hidden_size": HEADS * 8, "num_attention_heads": HEADS, "num_key_value_heads": KV,
+              "partial_rotary_factor": 0.5}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert run(src, tmp_path / "o.safetensors", "--to", "interleaved", "--config", tmp_path / "config.json",
+               "--verify") == 0
+    out = load_file(str(tmp_path / "o.safetensors"))
+    q = out["model.layers.0.self_attn.q_proj.weight"].reshape(HEADS, 8, HIDDEN)
+    q0 = sd["model.layers.0.self_attn.q_proj.weight"].reshape(HEADS, 8, HIDDEN)
+    assert torch.equal(q[:, 4:], q0[:, 4:])  # channels past rotary_dim untouched
+    assert torch.equal(q[:, [0, 1, 2, 3]], q0[:, [0, 2, 1, 3]])  # half (0,2),(1,3) -> interleaved (0,1),(2,3)
+
+
+def test_verify_detects_a_wrong_conversion(tmp_path, monkeypatch, capsys):
+    src = tmp_path / "m.safetensors"
+    save_file(state(), str(src))
+    monkeypatch.setattr(conv, "permute_qk_weight", lambda w, n, **kw: w.flip(0).contiguous())
+    assert run(src, tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV,
+               "--verify") == 1
+    assert "FAILED" in capsys.readouterr().err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_refuses_overwrite_without_force(tmp_path):
+    src = tmp_path / "m.safetensors"
+    save_file(state(), str(src))
+    dst = tmp_path / "o.safetensors"
+    dst.write_bytes(b"precious")
+    with pytest.raises(FileExistsError, match="--force"):
+        run(src, dst, "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV)
+    assert dst.read_bytes() == b"precious"
+    assert run(src, dst, "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV, "--force") == 0
+    assert load_file(str(dst)).keys() == state().keys()
+
+
+def test_refuses_to_write_over_input(tmp_path):
+    sd = state()
+    src = tmp_path / "m.safetensors"
+    save_file(sd, str(src))
+    before = digest(src)
+    with pytest.raises(ValueError, match="input"):
+        run(src, src, "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV, "--force")
+    (tmp_path / "link.safetensors").hardlink_to(src)
+    with pytest.raises(ValueError, match="input"):
+        run(src, tmp_path / "link.safetensors", "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV, "--force")
+    shard_dir = write_sharded(sd, tmp_path / "sharded")
+    with pytest.raises(ValueError, match="input"):
+        run(shard_dir, shard_dir, "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV, "--force")
+    assert digest(src) == before
+
+
+def test_atomic_on_failure_mid_write(tmp_path, monkeypatch):
+    src = write_sharded(state(), tmp_path / "src")
+    calls = []
+    real = checkpoint_io.save_safetensors
+
+    def failing(tensors, path, metadata):
+        calls.append(path)
+        if len(calls) == 2:
+            Path(path).write_bytes(b"half a file")
+            raise OSError("disk full")
+        real(tensors, path, metadata)
+
+    monkeypatch.setattr(checkpoint_io, "save_safetensors", failing)
+    with pytest.raises(OSError, match="disk full"):
+        run(src, tmp_path / "dst", "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV)
+    assert list((tmp_path / "dst").iterdir()) == []  # neither final files nor temporaries
+
+
+@pytest.mark.parametrize(
+    ("argv", "error", "match"),
+    [
+        (["--heads", 3, "--kv-heads", 1], ValueError, "not divisible by 3 heads"),
+        (["--heads", 4, "--kv-heads", 3], ValueError, "multiple of n_kv_heads"),
+        (["--heads", 4, "--kv-heads", 2, "--head-dim", 4], ValueError, "head_dim 4"),
+        (["--heads", 4, "--kv-heads", 2, "--q-pattern", r"nothing$", "--k-pattern", r"nada$"], ValueError,
+         "no q/k projection"),
+        ([], ValueError, "--heads"),
+    ],
+)
+def test_errors(tmp_path, argv, error, match):
+    src = tmp_path / "m.safetensors"
+    save_file(state(), str(src))
+    with pytest.raises(error, match=match):
+        run(src, tmp_path / "o.safetensors", "--to", "interleaved", *argv)
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_error_missing_k_and_unknown_layout(tmp_path):
+    sd = state()
+    del sd["model.layers.1.self_attn.k_proj.weight"]
+    src = tmp_path / "m.safetensors"
+    save_file(sd, str(src))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj\.weight.*no matching k"):
+        run(src, tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV)
+    args = parse(src, tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS)
+    args.dst_layout = "neox"
+    with pytest.raises(ValueError, match="neox"):
+        conv.run(args)
+    with pytest.raises(ValueError, match="SRC does not exist"):
+        run(tmp_path / "nope.safetensors", tmp_path / "o.safetensors", "--to", "half", "--heads", HEADS)

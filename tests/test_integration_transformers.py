@@ -1,0 +1,141 @@
+"""ropekit.integrations.transformers: patched tiny random models match unpatched ones."""
+
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ropekit import RopeConfig  # noqa: E402
+from ropekit.integrations.transformers import patch, unpatch  # noqa: E402
+from ropekit.scaling import Linear  # noqa: E402
+
+torch.set_num_threads(1)
+
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, intermediate_size=128,
+              max_position_embeddings=256)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=2, partial_rotary_factor=0.5,
+                                                   pad_token_id=0)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.25)),
+}
+
+
+def tiny(family, **extra):
+    config_name, model_name, kwargs = FAMILIES[family]
+    config = getattr(transformers, config_name)(**COMMON, **kwargs, **extra)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).eval()
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_and_unpatch_restores(family, monkeypatch):
+    import ropekit.integrations.transformers as integ
+
+    calls = []
+    real = integ.apply_rotary
+    monkeypatch.setattr(integ, "apply_rotary", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = tiny(family)
+    ref = logits(model, IDS)
+    patch(model)
+    out = logits(model, IDS)
+    assert len(calls) == 4  # q and k of two layers went through ropekit
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    unpatch(model)
+    assert torch.equal(logits(model, IDS), ref)
+    for m in model.modules():
+        assert "forward" not in m.__dict__
+    mod = sys.modules[type(model).__module__]
+    assert not hasattr(mod.apply_rotary_pos_emb, "__ropekit_original__")
+
+
+def test_patch_really_uses_ropekit(monkeypatch):
+    import ropekit.integrations.transformers as integ
+
+    calls = []
+    real = integ.apply_rotary
+    monkeypatch.setattr(integ, "apply_rotary", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = patch(tiny("llama"))
+    logits(model, IDS)
+    assert len(calls) == 2 * 2  # q and k, two layers
+    unpatch(model)
+
+
+def test_unpatched_model_of_same_family_unaffected():
+    patched, other = patch(tiny("llama")), tiny("llama", rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                          "rope_theta": 10000.0})
+    ref = logits(other, IDS)
+    unpatch(patched)
+    patch(patched)
+    assert torch.equal(logits(other, IDS), ref)
+    unpatch(patched)
+
+
+def test_greedy_generation_identical_with_kv_cache():
+    model = tiny("llama")
+    prompt = IDS[:1, :8]
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(prompt, **kwargs)
+        patch(model)
+        out = model.generate(prompt, **kwargs)
+        unpatch(model)
+    assert torch.equal(out, ref)
+
+
+def test_rope_override_matches_model_with_scaling():
+    scaled = tiny("llama", rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
+    model = tiny("llama")  # same seed: same weights
+    ref_plain, ref_scaled = logits(model, IDS), logits(scaled, IDS)
+    assert not torch.allclose(ref_plain, ref_scaled, atol=1e-4)
+    patch(model, rope=RopeConfig(head_dim=16, base=10000.0, scaling=Linear(factor=4.0)))
+    torch.testing.assert_close(logits(model, IDS), ref_scaled, rtol=0, atol=1e-5)
+    unpatch(model)
+
+
+def test_bf16_model_runs_with_float32_tables():
+    model = tiny("qwen2")
+    ref = logits(model, IDS)
+    model = patch(model.to(torch.bfloat16))
+    out = logits(model, IDS)
+    unpatch(model)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=0.1)
+
+
+def test_errors():
+    model = patch(tiny("llama"))
+    with pytest.raises(ValueError, match="already patched"):
+        patch(model)
+    unpatch(model)
+    with pytest.raises(ValueError, match="not patched"):
+        unpatch(model)
+    with pytest.raises(ValueError, match="head_dim"):
+        patch(model, rope=RopeConfig(head_dim=8))
+    with pytest.raises(ValueError, match="layout"):
+        patch(model, rope=RopeConfig(head_dim=16, layout="interleaved"))
+
+
+def test_torch_compile_eager_backend():
+    model = tiny("llama")
+    ref = logits(model, IDS)
+    patch(model)
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        out = compiled(IDS).logits
+    unpatch(model)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)

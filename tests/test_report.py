@@ -1,0 +1,208 @@
+"""``ropekit report``: the real console script writes a self-contained, captioned, phone-readable page.
+
+Two ``--quick`` reports are built once per module, concurrently (the built-in default with no
+arguments, and a scaled preset with ``--json``); everything else inspects their files.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+
+from ropekit.tools import report as report_module
+
+torch.set_num_threads(1)
+
+SCRIPT = Path(sys.executable).parent / "ropekit"
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ropekit.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def ropekit(*argvs: list[str], cwd=None) -> list[subprocess.CompletedProcess]:
+    """Run ``ropekit <argv>`` for each argv concurrently; return the completed processes in order."""
+    procs = [subprocess.Popen([*COMMAND, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                              env=ENV) for argv in argvs]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    return [subprocess.CompletedProcess(argv, proc.returncode, out, err)
+            for argv, proc, (out, err) in zip(argvs, procs, outputs, strict=True)]
+
+
+class Page(HTMLParser):
+    """Collects the tags, attributes and nesting of an HTML document."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.tags: list[tuple[str, dict, tuple[str, ...]]] = []  # (tag, attrs, ancestors)
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs), tuple(self.stack)))
+        if tag not in ("img", "meta", "br", "link", "input", "hr"):
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if tag in self.stack:
+            while self.stack.pop() != tag:
+                pass
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reports")
+    default, scaled = ropekit(["report", "--quick"],
+                              ["report", "--quick", "--json", "--preset", "llama-3.1", "--out", str(root / "l31")],
+                              cwd=root)
+    return root, default, scaled
+
+
+def parse(path: Path) -> Page:
+    page = Page()
+    page.feed(path.read_text(encoding="utf-8"))
+    return page
+
+
+def test_default_report_is_written_to_ropekit_report_and_its_path_printed(reports):
+    root, default, _ = reports
+    assert default.returncode == 0, default.stderr
+    index = root / "ropekit-report" / "index.html"
+    assert default.stdout.strip() == str(index.resolve())
+    assert index.exists() and not [p for p in index.parent.iterdir() if p.name.startswith(".")]  # no staging left
+    text = index.read_text(encoding="utf-8")
+    for words in ("head_dim 128, base 10000", "Long-term decay", "Wavelengths per pair", "Sinusoidal PE",
+                  "Properties checked live", "Speed", "arXiv:2405.14591", "seed 001", "pass"):
+        assert words in text, words
+    assert "FAIL" not in text
+
+
+def test_scaled_report_json_summary(reports):
+    root, _, scaled = reports
+    assert scaled.returncode == 0, scaled.stderr
+    summary = json.loads(scaled.stdout)
+    assert summary["index"] == str((root / "l31" / "index.html").resolve())
+    assert summary["config"]["rope_type"] == "llama3" and summary["config"]["context"] == 131072
+    assert all(check["passed"] for check in summary["checks"]) and len(summary["checks"]) >= 7
+    assert summary["decay"]["at_0"] == pytest.approx(32.5)
+    assert summary["sinusoidal"]["rope_spread"] < 1e-9 < summary["sinusoidal"]["cross_term_spread"]
+    assert {"20000", "1000000"} <= set(summary["bf16_precision"])
+    assert summary["scaling"][0]["name"] == "this config (llama3)"
+    text = (root / "l31" / "index.html").read_text(encoding="utf-8")
+    assert "extrapolated" in text and "interpolated" in text and "pre-training" in text
+
+
+@pytest.mark.parametrize("which", ["ropekit-report", "l31"])
+def test_every_image_exists_and_nothing_is_fetched(reports, which):
+    out = reports[0] / which
+    page = parse(out / "index.html")
+    images = [attrs["src"] for tag, attrs, _ in page.tags if tag == "img"]
+    assert len(images) >= 8
+    for src in images:
+        assert "/" not in src and (out / src).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", src
+    for tag, attrs, _ in page.tags:
+        assert tag not in ("script", "link", "iframe", "object", "embed"), tag
+        for name in ("src", "href", "srcset", "action", "data", "poster"):
+            if name in attrs:
+                value = attrs[name] or ""
+                assert not re.match(r"\s*(https?:)?//", value, re.I), (tag, name, value)
+                assert name != "href" or value.startswith("#"), value  # only in-page links
+    raw = (out / "index.html").read_text(encoding="utf-8")
+    assert "@import" not in raw and "url(" not in raw and "<script" not in raw.lower()
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", raw, re.I)
+
+
+@pytest.mark.parametrize("which", ["ropekit-report", "l31"])
+def test_layout_is_captioned_and_phone_readable(reports, which):
+    page = parse(reports[0] / which / "index.html")
+    metas = [attrs for tag, attrs, _ in page.tags if tag == "meta"]
+    assert {"name": "viewport", "content": "width=device-width, initial-scale=1"} in metas
+    assert any(attrs.get("charset") == "utf-8" for attrs in metas)
+    figures = sum(tag == "figure" for tag, _, _ in page.tags)
+    captions = [ancestors for tag, _, ancestors in page.tags if tag == "figcaption"]
+    assert figures >= 7 and len(captions) == figures and all("figure" in a for a in captions)
+    for tag, attrs, ancestors in page.tags:
+        if tag == "img":
+            assert "figure" in ancestors and attrs.get("alt"), attrs
+        if tag == "table":
+            assert "div" in ancestors  # every table sits in a horizontally scrolling box
+    raw = (reports[0] / which / "index.html").read_text(encoding="utf-8")
+    assert "img{max-width:100%" in raw and ".scroll{overflow-x:auto" in raw
+
+
+def test_write_report_is_atomic(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "index.html").write_text("previous report")
+    files = {"a.png": b"\x89PNG new a", "b.png": b"\x89PNG new b"}
+    monkeypatch.setattr(report_module, "build", lambda *a, **k: ("<html>new</html>", files, {"checks": []}))
+    calls = []
+    real_replace = report_module.os.replace
+
+    def failing_replace(src, dst):
+        calls.append(Path(dst).name)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(report_module.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        report_module.write_report(out, None, "x")
+    assert calls == ["a.png", "b.png"]  # index.html is moved last, so it was never replaced
+    assert (out / "index.html").read_text() == "previous report"
+    assert sorted(p.name for p in out.iterdir()) == ["a.png", "index.html"]  # staging directory removed
+
+    monkeypatch.setattr(report_module.os, "replace", real_replace)
+    summary = report_module.write_report(out, None, "x")
+    assert (out / "index.html").read_text() == "<html>new</html>" and (out / "b.png").read_bytes() == files["b.png"]
+    assert summary["index"] == str((out / "index.html").resolve())
+
+
+def test_a_failing_build_writes_nothing(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("figure failed")
+
+    monkeypatch.setattr(report_module, "build", broken)
+    with pytest.raises(RuntimeError):
+        report_module.write_report(tmp_path / "new", None, "x")
+    assert not (tmp_path / "new").exists()
+
+
+def test_bench_section_when_the_module_is_missing_or_fails(monkeypatch):
+    fake = types.SimpleNamespace(summary={}, sections=[])
+    monkeypatch.setattr(report_module.importlib.util, "find_spec", lambda name: None)
+    report_module._Report.bench(fake)
+    assert fake.summary["bench"] is None
+    assert "not available" in fake.sections[0][2] and "ropekit bench" in fake.sections[0][2]
+
+    fake = types.SimpleNamespace(summary={}, sections=[])
+    monkeypatch.setattr(report_module.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setitem(sys.modules, "ropekit.tools.bench", types.SimpleNamespace(run=lambda quick: 1 / 0))
+    report_module._Report.bench(fake)
+    assert "ZeroDivisionError" in fake.sections[0][2]
+
+    rows = [{"shape": "s", "dims": [1, 2], "ms": 1.5, "ratio_hf": None}]
+    monkeypatch.setitem(sys.modules, "ropekit.tools.bench", types.SimpleNamespace(run=lambda quick: rows))
+    fake = types.SimpleNamespace(summary={}, sections=[])
+    report_module._Report.bench(fake)
+    assert "<td>1.5</td>" in fake.sections[0][2] and "1x2" in fake.sections[0][2]
+
+
+def test_without_matplotlib_the_page_says_so_instead_of_failing(monkeypatch):
+    real_find_spec = report_module.importlib.util.find_spec
+    monkeypatch.setattr(report_module.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "matplotlib" else real_find_spec(name, *args))
+    monkeypatch.setattr(report_module, "_bench_rows", lambda: (None, None))
+    from ropekit import RopeConfig
+
+    text, files, summary = report_module.build(RopeConfig(16, max_positions=256), "tiny", quick=True)
+    assert files == {} and summary["figures"] is False and "<img" not in text
+    assert text.count("matplotlib is not installed") >= 7 and "Properties checked live" in text
