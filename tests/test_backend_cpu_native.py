@@ -91,7 +91,7 @@ def cases(draw):
     # which leading axes the table varies along (the others broadcast): seq only, batch and
     # seq, per token, one position (decode), ...
     varies = [draw(st.booleans()) for _ in lead]
-    view = draw(st.sampled_from(["contiguous", "transposed", "sliced"]))
+    view = (draw(st.sampled_from(["contiguous", "transposed", "sliced", "fused"])), draw(st.integers(0, 3)))
     return {
         "lead": lead,
         "half": half,
@@ -110,14 +110,19 @@ def cases(draw):
 def make_x(lead, head_dim, view, dtype, gen):
     """x of shape lead + (head_dim,), as a contiguous tensor or a strided view."""
     shape = tuple(lead) + (head_dim,)
-    if view == "transposed" and len(lead) >= 2:  # (b, s, h, d) storage seen as (b, h, s, d)
+    kind, axis = view
+    if kind == "transposed" and len(lead) >= 2:  # (b, s, h, d) storage seen as (b, h, s, d)
         base = torch.randn(shape[:-3] + (shape[-2], shape[-3], head_dim), generator=gen)
         x = base.transpose(-2, -3)
-    elif view == "sliced":  # every other head of a larger tensor, from an offset
-        base = torch.randn((2 * shape[0] + 1,) + shape[1:], generator=gen)
-        x = base[1::2]
+    elif kind == "sliced":  # every other head (or batch, ...) of a larger tensor, from an offset
+        axis %= len(lead)
+        base = torch.randn(shape[:axis] + (2 * shape[axis] + 1,) + shape[axis + 1 :], generator=gen)
+        x = base.narrow(axis, 1, 2 * shape[axis]).unflatten(axis, (shape[axis], 2)).select(axis + 1, 0)
+    elif kind == "fused":  # q out of a fused qkv projection: rows further apart than head_dim
+        x = torch.randn(shape[:-1] + (3 * head_dim,), generator=gen)[..., head_dim : 2 * head_dim]
     else:
         x = torch.randn(shape, generator=gen)
+    assert x.shape == shape
     return (x * 4).to(dtype)
 
 
@@ -176,18 +181,23 @@ def test_threaded_split_equals_single_call(dtype, layout, inplace):
     assert cpu_native._pool is not None
 
 
-def test_large_tensor_with_plan_and_threads():
-    """The prefill case at a size where the reordered walk and the thread split kick in."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_large_tensors_take_the_planned_threaded_path(layout):
+    """Prefill-like sizes, where the reordered walk (_plan) and the thread split kick in."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 8, 300, 64, generator=gen)
-    cos, sin = ropekit.cos_sin(torch.arange(300), ropekit.inv_frequencies(64)[0])
-    cos, sin = cos[None, None], sin[None, None]
-    expected = torch_eager.rotate(x, cos, sin, layout="half")
-    with torch_threads(2), module_setting("PARALLEL_MIN_BYTES", 0):
-        assert_same(native(x, cos, sin, layout="half"), expected)
-        bf = x.bfloat16()
-        assert_same(native(bf.clone(), cos, sin, layout="half", inplace=True),
-                    torch_eager.rotate(bf, cos, sin, layout="half"))
+    base = torch.randn(2, 8, 512, 64, generator=gen)
+    inv_freq = ropekit.inv_frequencies(48)[0]  # partial rotary: 16 channels copied through
+    for dtype in DTYPES:
+        x = base.to(dtype)
+        cos, sin = tables(torch.arange(512), inv_freq, dtype)
+        cos, sin = cos[None, None], sin[None, None]
+        assert x.numel() * x.element_size() >= max(cpu_native.PLAN_MIN_BYTES, cpu_native.PARALLEL_MIN_BYTES)
+        expected = torch_eager.rotate(x, cos, sin, layout=layout)
+        with torch_threads(2):
+            assert_same(native(x, cos, sin, layout=layout), expected)
+            assert_same(native(x.clone(), cos, sin, layout=layout, inplace=True), expected)
+            seq_major = x.transpose(1, 2).contiguous().transpose(1, 2)  # (b, s, h, d) storage
+            assert_same(native(seq_major, cos, sin, layout=layout), expected)
 
 
 def all_16_bit_patterns(dtype):
@@ -283,6 +293,21 @@ def test_tables_are_converted_and_empty_inputs_work():
     one = torch.randn(16, generator=gen)  # no leading dims at all
     assert_same(native(one, cos[0, 0], sin[0, 0], layout="half"),
                 torch_eager.rotate(one, cos[0, 0], sin[0, 0], layout="half"))
+
+
+def test_repeated_calls_reuse_parameters_not_data():
+    gen = torch.Generator().manual_seed(8)
+    inv_freq = ropekit.inv_frequencies(32)[0]
+    cpu_native._prepared.clear()
+    for _ in range(3):  # a decode loop: same shapes, new tokens and positions
+        x = torch.randn(4, 6, 1, 40, generator=gen)
+        cos, sin = ropekit.cos_sin(torch.randint(0, 100, (4,), generator=gen), inv_freq)
+        cos, sin = cos[:, None, None], sin[:, None, None]
+        assert_same(native(x, cos, sin, layout="half"), torch_eager.rotate(x, cos, sin, layout="half"))
+        assert len(cpu_native._prepared) == 1
+        converted = (cos.double(), sin.double())  # converted tables are not kept
+        assert_same(native(x, *converted, layout="half"), torch_eager.rotate(x, *converted, layout="half"))
+        assert len(cpu_native._prepared) == 1
 
 
 def test_kernel_rejects_bad_params():

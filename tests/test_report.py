@@ -1,21 +1,26 @@
 """``ropekit report``: the real console script writes a self-contained, captioned, phone-readable page.
 
-Two ``--quick`` reports are built once per module, concurrently (the built-in default with no
-arguments, and a scaled preset with ``--json``); everything else inspects their files.
+Two ``--quick`` reports are built once per module, concurrently: the built-in default with no
+arguments through the real console script, and a scaled preset with ``--json`` through
+``ropekit.cli.main`` (with the benchmark stubbed: the first report times the real one);
+everything else inspects their files.
 """
 
+import io
 import json
 import os
 import re
 import subprocess
 import sys
 import types
+from contextlib import redirect_stderr, redirect_stdout
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 import torch
 
+from ropekit.cli import main
 from ropekit.tools import report as report_module
 
 torch.set_num_threads(1)
@@ -23,15 +28,6 @@ torch.set_num_threads(1)
 SCRIPT = Path(sys.executable).parent / "ropekit"
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ropekit.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def ropekit(*argvs: list[str], cwd=None) -> list[subprocess.CompletedProcess]:
-    """Run ``ropekit <argv>`` for each argv concurrently; return the completed processes in order."""
-    procs = [subprocess.Popen([*COMMAND, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                              env=ENV) for argv in argvs]
-    outputs = [proc.communicate(timeout=300) for proc in procs]
-    return [subprocess.CompletedProcess(argv, proc.returncode, out, err)
-            for argv, proc, (out, err) in zip(argvs, procs, outputs, strict=True)]
 
 
 class Page(HTMLParser):
@@ -59,11 +55,17 @@ class Page(HTMLParser):
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
+    """The default report through the console script and, meanwhile, a scaled preset through ``main``."""
     root = tmp_path_factory.mktemp("reports")
-    default, scaled = ropekit(["report", "--quick"],
-                              ["report", "--quick", "--json", "--preset", "llama-3.1", "--out", str(root / "l31")],
-                              cwd=root)
-    return root, default, scaled
+    proc = subprocess.Popen([*COMMAND, "report", "--quick"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=root, env=ENV)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, redirect_stdout(stdout), redirect_stderr(stderr):
+        patch.setattr(report_module, "_bench_rows", lambda: (None, None))  # the subprocess times the real one
+        code = main(["report", "--quick", "--json", "--preset", "llama-3.1", "--out", str(root / "l31")])
+    scaled = subprocess.CompletedProcess(["report"], code, stdout.getvalue(), stderr.getvalue())
+    out, err = proc.communicate(timeout=300)
+    return root, subprocess.CompletedProcess(proc.args, proc.returncode, out, err), scaled
 
 
 def parse(path: Path) -> Page:

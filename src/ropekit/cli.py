@@ -268,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", choices=("cpu", "cuda"), help="default: CUDA when available")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.set_defaults(func=cmd_bench)
+
+    from .tools import convert
+
+    convert.add_parser(verbs)
     return parser
 
 

@@ -1,25 +1,59 @@
 """Kernels that rotate a tensor given cos/sin tables; :func:`select` picks one.
 
 Every backend exposes ``rotate(x, cos, sin, *, layout, conjugate, inplace)`` with
-the semantics of :func:`ropekit.backends.torch_eager.rotate`. The reference backend
-(:mod:`ropekit.backends.reference`) is the float64 oracle and is not selectable here.
+the semantics of :func:`ropekit.backends.torch_eager.rotate`:
+
+- ``"torch"``: plain PyTorch ops, any device and dtype (chunked, float32 arithmetic);
+- ``"cpu"``: a native C kernel compiled at first use (one pass over memory, GIL released,
+  rows split over ``torch.get_num_threads()`` threads); see :mod:`.cpu_native`;
+- ``"triton"``: the fused Triton kernel for CUDA tensors (registered as ``torch.library``
+  ops, so ``torch.compile(fullgraph=True)`` traces it); see :mod:`.triton_api`.
+
+``"auto"`` picks triton for CUDA tensors when triton is installed, the native kernel for
+CPU tensors when a C compiler is available, and the torch backend otherwise. The reference
+backend (:mod:`ropekit.backends.reference`) is the float64 oracle and is not selectable here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 import torch
 
-from . import torch_eager
+from . import cpu_native, torch_eager
 
 RotateFn = Callable[..., torch.Tensor]
 
 _BACKENDS: dict[str, RotateFn] = {"torch": torch_eager.rotate}
 
 
+def _triton_rotate() -> RotateFn | None:
+    """The Triton backend, imported on first use (importing triton costs ~0.2 s)."""
+    if "triton" not in _BACKENDS:
+        if importlib.util.find_spec("triton") is None:
+            return None
+        from . import triton_api, triton_rotary
+
+        if not triton_rotary.is_available():
+            return None
+        _BACKENDS["triton"] = triton_api.rotate
+    return _BACKENDS["triton"]
+
+
+def _cpu_rotate() -> RotateFn | None:
+    """The native CPU backend when it compiled (the first call compiles, about a second)."""
+    if "cpu" not in _BACKENDS:
+        if not cpu_native.is_available():
+            return None
+        _BACKENDS["cpu"] = cpu_native.rotate
+    return _BACKENDS["cpu"]
+
+
 def available() -> list[str]:
     """Names accepted by ``apply_rotary(..., backend=...)`` besides ``"auto"``."""
+    _cpu_rotate()
+    _triton_rotate()
     return sorted(_BACKENDS)
 
 
@@ -31,7 +65,21 @@ def register(name: str, rotate: RotateFn) -> None:
 def select(backend: str, x: torch.Tensor) -> RotateFn:
     """Return the kernel named ``backend``, or the best one for ``x`` when ``"auto"``."""
     if backend == "auto":
+        if x.is_cuda:
+            return _triton_rotate() or _BACKENDS["torch"]
+        if x.device.type == "cpu":
+            return _cpu_rotate() or _BACKENDS["torch"]
         return _BACKENDS["torch"]
+    if backend == "cpu":
+        fn = _cpu_rotate()
+        if fn is None:
+            raise ValueError("backend 'cpu' is unavailable: the native kernel could not be compiled")
+        return fn
+    if backend == "triton":
+        fn = _triton_rotate()
+        if fn is None:
+            raise ValueError("backend 'triton' is unavailable: install triton (pip install 'ropekit[triton]')")
+        return fn
     try:
         return _BACKENDS[backend]
     except KeyError:

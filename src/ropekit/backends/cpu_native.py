@@ -70,6 +70,7 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "functions": {dtype: fn} once loaded, "error": str once failed
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
+_prepared: dict[tuple, tuple] = {}  # rotate's parameter cache, see there
 
 
 def cache_dir() -> Path:
@@ -343,14 +344,45 @@ def rotate(
         RuntimeError: the native library could not be built or loaded.
     """
     fn = (_state.get("functions") or _load()).get(x.dtype)  # type: ignore[union-attr]
-    fit = _table_strides(x, cos, sin) if fn is not None and supports(x, inplace) else None
-    if fit is None or cos.layout != torch.strided or sin.layout != torch.strided:
+    strided = x.layout == cos.layout == sin.layout == torch.strided
+    if fn is None or not strided or x.numel() == 0:
         return torch_eager.rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
-    cos_strides, sin_strides = fit
+    # Everything the kernel's parameters depend on (out's strides follow from x's): a decode
+    # loop calls with the same key every step and skips the checks and the planning.
+    key = (x.dtype, x.shape, x.stride(), x.is_cpu, cos.dtype, cos.shape, cos.stride(), cos.is_cpu,
+           sin.dtype, sin.shape, sin.stride(), sin.is_cpu, layout, conjugate, inplace, PLAN_MIN_BYTES, STREAMS)
+    prepared = _prepared.get(key)
+    if prepared is None:
+        prepared = _prepare(x, cos, sin, layout, conjugate, inplace)
+        if prepared is None:
+            return torch_eager.rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+        if prepared[3] is cos and prepared[4] is sin:  # no converted tables held: safe to keep
+            if len(_prepared) >= 256:
+                _prepared.clear()
+            _prepared[key] = prepared[:3]
+    else:
+        prepared = (*prepared, cos, sin)
+    params, rows, nbytes, cos, sin = prepared
     out = x if inplace else torch.empty_like(x)
-    numel = x.numel()
-    if numel == 0:
-        return out
+    args = (x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), params.buffer_info()[0])
+    status = fn(*args, 0, rows) if nbytes < PARALLEL_MIN_BYTES else _call_threaded(fn, args, rows)
+    if status != 0:
+        raise RuntimeError(f"ropekit native kernel rejected its arguments (status {status}); this is a bug")
+    return out
+
+
+def _prepare(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, conjugate: bool, inplace: bool
+) -> tuple[array.array, int, int, torch.Tensor, torch.Tensor] | None:
+    """Kernel parameters for a non-empty strided ``x``: ``(params, rows, nbytes, cos, sin)``, or None.
+
+    None means "not for the kernel" (see :func:`supports` and :func:`_table_strides`); the
+    returned tables are ``cos``/``sin`` themselves unless they had to be converted.
+    """
+    fit = _table_strides(x, cos, sin) if supports(x, inplace) else None
+    if fit is None:
+        return None
+    cos_strides, sin_strides = fit
     work = torch.float64 if x.dtype is torch.float64 else torch.float32
     if cos.dtype is not work or sin.dtype is not work or not (cos.is_cpu and sin.is_cpu):
         cos, sin = _table(cos, work), _table(sin, work)  # same shapes; strides can change
@@ -364,7 +396,8 @@ def rotate(
     # x's size-1 dims may carry any stride (the kernel drops them); the tables' read 0 there
     sizes = x.shape[:-1]
     x_strides = x.stride()[:-1]
-    out_strides = x_strides if inplace else out.stride()[:-1]
+    out_strides = x_strides if inplace else torch.empty_like(x, device="meta").stride()[:-1]
+    numel = x.numel()
     nbytes = numel * x.element_size()
     if nbytes >= PLAN_MIN_BYTES:
         sizes, (x_strides, out_strides, cos_strides, sin_strides) = _plan(
@@ -372,9 +405,4 @@ def rotate(
         )
     params = array.array("q", (len(sizes), cos.shape[-1], x.shape[-1], flags, 1, 1, 1, 1, *sizes, *x_strides,
                                *out_strides, *cos_strides, *sin_strides))
-    rows = numel // x.shape[-1]
-    args = (x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), params.buffer_info()[0])
-    status = fn(*args, 0, rows) if nbytes < PARALLEL_MIN_BYTES else _call_threaded(fn, args, rows)
-    if status != 0:
-        raise RuntimeError(f"ropekit native kernel rejected its arguments (status {status}); this is a bug")
-    return out
+    return params, numel // x.shape[-1], nbytes, cos, sin

@@ -18,6 +18,7 @@ Everything is float64 and works on a 1-D ``inv_freq`` tensor of shape ``(rotary_
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -222,8 +223,6 @@ def rule_parameters(rule: Any) -> dict[str, Any]:
     """The rule's fields as a JSON-ready dict (tuples become lists; empty for plain RoPE)."""
     if rule is None:
         return {}
-    import dataclasses
-
     return {key: list(value) if isinstance(value, tuple) else value for key, value in dataclasses.asdict(rule).items()}
 
 
