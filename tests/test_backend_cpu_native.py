@@ -111,19 +111,22 @@ def make_x(lead, head_dim, view, dtype, gen):
     """x of shape lead + (head_dim,), as a contiguous tensor or a strided view."""
     shape = tuple(lead) + (head_dim,)
     kind, axis = view
+
+    def rand(*size):
+        return (torch.randn(size, generator=gen) * 4).to(dtype)
+
     if kind == "transposed" and len(lead) >= 2:  # (b, s, h, d) storage seen as (b, h, s, d)
-        base = torch.randn(shape[:-3] + (shape[-2], shape[-3], head_dim), generator=gen)
-        x = base.transpose(-2, -3)
+        x = rand(*shape[:-3], shape[-2], shape[-3], head_dim).transpose(-2, -3)
     elif kind == "sliced":  # every other head (or batch, ...) of a larger tensor, from an offset
         axis %= len(lead)
-        base = torch.randn(shape[:axis] + (2 * shape[axis] + 1,) + shape[axis + 1 :], generator=gen)
+        base = rand(*shape[:axis], 2 * shape[axis] + 1, *shape[axis + 1 :])
         x = base.narrow(axis, 1, 2 * shape[axis]).unflatten(axis, (shape[axis], 2)).select(axis + 1, 0)
     elif kind == "fused":  # q out of a fused qkv projection: rows further apart than head_dim
-        x = torch.randn(shape[:-1] + (3 * head_dim,), generator=gen)[..., head_dim : 2 * head_dim]
+        x = rand(*shape[:-1], 3 * head_dim)[..., head_dim : 2 * head_dim]
     else:
-        x = torch.randn(shape, generator=gen)
+        x = rand(*shape)
     assert x.shape == shape
-    return (x * 4).to(dtype)
+    return x
 
 
 @settings(max_examples=120)

@@ -137,7 +137,10 @@ def bench_shape(
         add("transformers + torch.compile", "out-of-place",
             time_ms(lambda: compiled(q, k, full_cos, full_sin), device, repeats, warmup=3), copy_ms, hf_ms)
     cos_v, sin_v = cos[:, :], sin[:, :]
+    native_to = {"cpu": "cpu", "triton": "cuda"}  # elsewhere these fall back to the torch backend
     for name in backends.available():
+        if native_to.get(name, device.type) != device.type:
+            continue
         try:
             backends.select(name, q)
             apply_rotary(q[:1, :1, :1], cos_v[:1], sin_v[:1], backend=name)
