@@ -67,7 +67,8 @@ def select(backend: str, x: torch.Tensor) -> RotateFn:
     if backend == "auto":
         if x.is_cuda:
             return _triton_rotate() or _BACKENDS["torch"]
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+            # Dynamo cannot trace the ctypes call: under torch.compile the eager ops are compiled
             return _cpu_rotate() or _BACKENDS["torch"]
         return _BACKENDS["torch"]
     if backend == "cpu":
