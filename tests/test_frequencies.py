@@ -193,3 +193,11 @@ def test_public_api_names():
     for name in ["inv_frequencies", "cos_sin", "apply_rotary", "rotation_matrix", "permute_qk_weight",
                  "RotaryEmbedding", "apply_reference"]:
         assert callable(getattr(ropekit, name))
+
+
+def test_plain_rope_dict_gives_plain_frequencies_and_a_stray_factor_is_refused():
+    inv_freq, scale = ropekit.inv_frequencies(8, 10000.0, {"rope_type": "default", "rope_theta": 10000.0})
+    assert scale == 1.0
+    assert torch.equal(inv_freq, ropekit.base_inv_freq(8, 10000.0))
+    with pytest.raises(ValueError, match="rope_type"):
+        ropekit.inv_frequencies(8, 10000.0, {"factor": 2.0})

@@ -70,10 +70,10 @@ def inv_frequencies(
     if scaling is None:
         return base_inv_freq(rotary_dim, base), 1.0
     if isinstance(scaling, dict):
-        if scaling.get("rope_type", scaling.get("type")) in (None, "default") and "factor" not in scaling:
-            return base_inv_freq(rotary_dim, base), 1.0
-        from .scaling import rule_from_dict
+        from .scaling import PLAIN_ROPE_TYPES, RULE_KEYS, rope_type_of, rule_from_dict
 
+        if rope_type_of(scaling) in PLAIN_ROPE_TYPES and not set(scaling) & set().union(*RULE_KEYS.values()):
+            return base_inv_freq(rotary_dim, base), 1.0  # a rope dict that describes plain RoPE
         scaling = rule_from_dict(scaling)
     compute = getattr(scaling, "compute", None)
     if compute is None:

@@ -98,10 +98,14 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathered float32 tables of shape ``positions.shape + (rotary_dim // 2,)``."""
         check_positions(positions)
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        return self._gather(positions, needed)
+
+    def _gather(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables at ``positions`` (already validated), whose largest entry is ``needed - 1``."""
         if positions.numel() == 0:
             empty = torch.empty(*positions.shape, self.rotary_dim // 2, device=positions.device)
             return empty, empty.clone()
-        needed = int(positions.max()) + 1
         self._refresh_dynamic(needed)
         cos, sin = self.tables(needed, positions.device)
         # index with int64: uint8 indices would act as a boolean mask, int8/int16 are rejected
@@ -109,7 +113,13 @@ class RotaryEmbedding(nn.Module):
         return cos[index], sin[index]
 
     # -- apply ------------------------------------------------------------------------------
-    def _positions(self, seq: int, positions: torch.Tensor | None, offset: Any, device: torch.device) -> torch.Tensor:
+    def _positions(
+        self, seq: int, positions: torch.Tensor | None, offset: Any, device: torch.device
+    ) -> tuple[torch.Tensor, int]:
+        """Positions of shape ``(seq,)`` or ``(batch, seq)`` and one past their largest value.
+
+        The default ``offset + arange(seq)`` with an int offset needs no device synchronisation.
+        """
         if positions is not None:
             if not (isinstance(offset, int) and offset == 0):
                 raise ValueError("pass either positions or offset, not both (offset shifts the default arange)")
@@ -118,16 +128,42 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(
                     f"positions must have shape (seq,) or (batch, seq) with seq={seq}, got {tuple(positions.shape)}"
                 )
-            return positions.to(device)
+            return positions.to(device), (int(positions.max()) + 1 if positions.numel() else 0)
         steps = torch.arange(seq, device=device)
         if isinstance(offset, torch.Tensor):
             check_positions(offset, "offset")
             if offset.dim() > 1:
                 raise ValueError(f"offset must be an int or a (batch,) tensor, got shape {tuple(offset.shape)}")
-            return offset.to(device).reshape(-1, 1) + steps if offset.dim() == 1 else offset.to(device) + steps
+            shifted = offset.to(device).reshape(-1, 1) + steps if offset.dim() == 1 else offset.to(device) + steps
+            return shifted, (int(offset.max()) + seq if offset.numel() and seq else 0)
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError(f"offset must be a non-negative int or a (batch,) integer tensor, got {offset!r}")
-        return steps + offset
+        return steps + offset, offset + seq
+
+    def _broadcast_tables(
+        self, x: torch.Tensor, positions: torch.Tensor | None, offset: Any, seq_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate ``x`` and return cos/sin viewed with ``x.dim()`` dimensions for :func:`apply_rotary`."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            raise ValueError(f"x must be a tensor with a sequence and a channel axis, got {getattr(x, 'shape', x)}")
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"x has head_dim {x.shape[-1]}, this RotaryEmbedding was built for {self.head_dim}")
+        ndim = x.dim()
+        if not isinstance(seq_dim, int) or not -ndim <= seq_dim < ndim - 1 or seq_dim % ndim == ndim - 1:
+            raise ValueError(f"seq_dim must name an axis of x other than the last, got {seq_dim} for {ndim}-D x")
+        axis = seq_dim % ndim
+        pos, needed = self._positions(x.shape[axis], positions, offset, x.device)
+        cos, sin = self._gather(pos, needed)
+        view = [1] * ndim
+        view[axis] = x.shape[axis]
+        view[-1] = self.rotary_dim // 2
+        if pos.dim() == 2:
+            if axis == 0:
+                raise ValueError("batched positions (batch, seq) need a batch axis before the sequence axis")
+            if pos.shape[0] not in (1, x.shape[0]):
+                raise ValueError(f"positions has batch {pos.shape[0]} but x has batch {x.shape[0]}")
+            view[0] = pos.shape[0]
+        return cos.reshape(view), sin.reshape(view)
 
     def rotate(
         self,
@@ -139,28 +175,8 @@ class RotaryEmbedding(nn.Module):
         inplace: bool = False,
     ) -> torch.Tensor:
         """Rotate one tensor ``x`` (a query or a key); arguments as in :meth:`forward`."""
-        if not isinstance(x, torch.Tensor) or x.dim() < 2:
-            raise ValueError(f"x must be a tensor with a sequence and a channel axis, got {getattr(x, 'shape', x)}")
-        if x.shape[-1] != self.head_dim:
-            raise ValueError(f"x has head_dim {x.shape[-1]}, this RotaryEmbedding was built for {self.head_dim}")
-        ndim = x.dim()
-        if not isinstance(seq_dim, int) or not -ndim <= seq_dim < ndim - 1 or seq_dim % ndim == ndim - 1:
-            raise ValueError(f"seq_dim must name an axis of x other than the last, got {seq_dim} for {ndim}-D x")
-        axis = seq_dim % ndim
-        pos = self._positions(x.shape[axis], positions, offset, x.device)
-        cos, sin = self.cos_sin(pos)
-        view = [1] * ndim
-        view[axis] = x.shape[axis]
-        view[-1] = self.rotary_dim // 2
-        if pos.dim() == 2:
-            if axis == 0:
-                raise ValueError("batched positions (batch, seq) need a batch axis before the sequence axis")
-            if pos.shape[0] not in (1, x.shape[0]):
-                raise ValueError(f"positions has batch {pos.shape[0]} but x has batch {x.shape[0]}")
-            view[0] = pos.shape[0]
-        return apply_rotary(
-            x, cos.reshape(view), sin.reshape(view), layout=self.layout, inplace=inplace, backend=self.backend
-        )
+        cos, sin = self._broadcast_tables(x, positions, offset, seq_dim)
+        return apply_rotary(x, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
 
     def forward(
         self,
@@ -193,9 +209,15 @@ class RotaryEmbedding(nn.Module):
                 f"q and k must have the same length along seq_dim={seq_dim}, got {q.shape[seq_dim]} and "
                 f"{k.shape[seq_dim]}"
             )
-        q_out = self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace)
-        k_out = None if k is None else self.rotate(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace)
-        return q_out, k_out
+        cos, sin = self._broadcast_tables(q, positions, offset, seq_dim)
+        q_out = apply_rotary(q, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
+        if k is None:
+            return q_out, None
+        if k.dim() != q.dim() or k.shape[0] != q.shape[0]:  # tables gathered for q do not fit k
+            return q_out, self.rotate(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace)
+        if k.shape[-1] != self.head_dim:
+            raise ValueError(f"k has head_dim {k.shape[-1]}, this RotaryEmbedding was built for {self.head_dim}")
+        return q_out, apply_rotary(k, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
 
     # -- construction from configs ------------------------------------------------------------
     @classmethod

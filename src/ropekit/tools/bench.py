@@ -24,6 +24,7 @@ import torch
 from .. import backends
 from ..frequencies import cos_sin, inv_frequencies
 from ..functional import apply_rotary
+from .precision import rotate_half
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,9 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup
     return statistics.median(samples)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def hf_recipe(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """The recipe of transformers' ``apply_rotary_pos_emb`` (full-width tables in the activation dtype)."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def saved_bytes(fn: Callable[[], tuple[torch.Tensor, ...]]) -> int:

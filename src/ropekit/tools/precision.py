@@ -24,7 +24,8 @@ from ..frequencies import base_inv_freq, cos_sin
 from ..functional import apply_rotary
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF's ``rotate_half``: ``[-x2, x1]`` for the halves ``x1, x2`` of the last dimension."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -35,7 +36,7 @@ def _hf_recipe(q: torch.Tensor, positions: torch.Tensor, head_dim: int, base: fl
     freqs = positions[:, None].float() * inv_freq[None, :].float()
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-    return q * cos + _rotate_half(q) * sin
+    return q * cos + rotate_half(q) * sin
 
 
 def bf16_error_comparison(
