@@ -206,6 +206,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Time every backend against a plain copy of the same bytes (see ropekit.tools.bench)."""
     from .tools import bench
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = bench.run(quick=args.quick, device=args.device)
     if args.json:
         _print_json(rows)
@@ -266,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = verbs.add_parser("bench", help="speed of every backend against a plain copy")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     bench.add_argument("--device", choices=("cpu", "cuda"), help="default: CUDA when available")
+    bench.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: torch's default)")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.set_defaults(func=cmd_bench)
 

@@ -9,7 +9,8 @@ RoPE is memory-bound, so each row is timed next to its floor in the same run:
 ``ratio_copy = floor_ms / ms`` (1.0 = as fast as copying the bytes) and
 ``ratio_hf = hf_ms / ms`` (speed-up over transformers' eager recipe
 ``q * cos + rotate_half(q) * sin`` with tables in the activation dtype). ``saved_mb`` is what
-autograd keeps for the backward pass (measured with saved-tensor hooks), next to the recipe's.
+autograd keeps for the backward pass (measured with saved-tensor hooks), next to the recipe's;
+on CUDA ``peak_mb`` adds the peak memory allocated by a forward + backward step.
 """
 
 from __future__ import annotations
@@ -67,8 +68,23 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup
     return statistics.median(samples)
 
 
+def _transformers_apply():
+    """The own ``apply_rotary_pos_emb`` of transformers (Llama), or ``None`` when not installed."""
+    try:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    except ImportError:
+        return None
+    return apply_rotary_pos_emb
+
+
 def hf_recipe(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """The recipe of transformers' ``apply_rotary_pos_emb`` (full-width tables in the activation dtype)."""
+    """Eager RoPE of transformers: its ``apply_rotary_pos_emb`` when installed, else the same recipe.
+
+    ``cos``/``sin`` are full-width ``(seq, head_dim)`` tables in the activation dtype.
+    """
+    apply = _transformers_apply()
+    if apply is not None:
+        return apply(q, k, cos[None], sin[None])  # (1, seq, d), unsqueezed to (1, 1, seq, d)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
@@ -84,6 +100,18 @@ def saved_bytes(fn: Callable[[], tuple[torch.Tensor, ...]]) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return total
+
+
+def peak_bytes(fn: Callable[[], None], device: torch.device) -> int | None:
+    """Peak CUDA memory allocated while running ``fn`` beyond what was live before (``None`` off CUDA)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 def _inputs(shape: Shape, dtype: torch.dtype, device: torch.device):
@@ -116,13 +144,15 @@ def bench_shape(
     hf_ms = time_ms(lambda: hf_recipe(q, k, full_cos, full_sin), device, repeats)
     rows: list[dict] = []
 
-    def add(impl: str, mode: str, ms: float, floor: float, hf: float | None, saved: int | None = None) -> None:
+    def add(impl: str, mode: str, ms: float, floor: float, hf: float | None, saved: int | None = None,
+            peak: int | None = None) -> None:
         moved = nbytes * (2 if mode == "fwd+bwd" else 1)
         rows.append({
             "shape": shape.name, "dims": [shape.batch, shape.q_heads, shape.k_heads, shape.seq, shape.head_dim],
             "dtype": str(dtype).replace("torch.", ""), "device": device.type, "impl": impl, "mode": mode,
             "ms": ms, "gbps": moved / ms / 1e6, "ratio_copy": floor / ms,
             "ratio_hf": None if hf is None else hf / ms, "saved_mb": None if saved is None else saved / 2**20,
+            "peak_mb": None if peak is None else peak / 2**20,
         })
 
     add("copy (x.clone)", "out-of-place", copy_ms, copy_ms, hf_ms)
@@ -166,8 +196,10 @@ def bench_shape(
 
         hf_bwd_ms = time_ms(fwd_bwd(theirs), device, repeats)
         ours_bwd_ms = time_ms(fwd_bwd(ours), device, repeats)
-        add("transformers eager", "fwd+bwd", hf_bwd_ms, 2 * copy_ms, hf_bwd_ms, saved_bytes(theirs))
-        add("ropekit auto", "fwd+bwd", ours_bwd_ms, 2 * copy_ms, hf_bwd_ms, saved_bytes(ours))
+        add("transformers eager", "fwd+bwd", hf_bwd_ms, 2 * copy_ms, hf_bwd_ms, saved_bytes(theirs),
+            peak_bytes(fwd_bwd(theirs), device))
+        add("ropekit auto", "fwd+bwd", ours_bwd_ms, 2 * copy_ms, hf_bwd_ms, saved_bytes(ours),
+            peak_bytes(fwd_bwd(ours), device))
     return rows
 
 
@@ -204,11 +236,12 @@ def run(
 
 def format_table(rows: list[dict]) -> str:
     """Rows as a Markdown table (time, GB/s, ratio to copy, speed-up over transformers, saved MiB)."""
-    head = "| shape | dtype | impl | mode | ms | GB/s | × copy speed | × transformers | saved MiB |"
-    lines = [head, "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    head = "| shape | dtype | impl | mode | ms | GB/s | × copy speed | × transformers | saved MiB | peak MiB |"
+    lines = [head, "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         hf = "" if r["ratio_hf"] is None else f"{r['ratio_hf']:.1f}"
         saved = "" if r["saved_mb"] is None else f"{r['saved_mb']:.1f}"
+        peak = "" if r.get("peak_mb") is None else f"{r['peak_mb']:.1f}"
         lines.append(f"| {r['shape']} | {r['dtype']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} | "
-                     f"{r['gbps']:.1f} | {r['ratio_copy']:.2f} | {hf} | {saved} |")
+                     f"{r['gbps']:.1f} | {r['ratio_copy']:.2f} | {hf} | {saved} | {peak} |")
     return "\n".join(lines)
