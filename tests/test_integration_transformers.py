@@ -127,7 +127,7 @@ def test_errors():
     with pytest.raises(ValueError, match="head_dim"):
         patch(model, rope=RopeConfig(head_dim=8))
     with pytest.raises(ValueError, match="layout"):
-        patch(model, rope=RopeConfig(head_dim=16, layout="interleaved"))
+        patch(tiny("llama", rope_interleave=True))  # config says interleaved: rope= must say so explicitly
 
 
 def test_torch_compile_eager_backend():
@@ -139,3 +139,33 @@ def test_torch_compile_eager_backend():
         out = compiled(IDS).logits
     unpatch(model)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,extra", [("llama", {}), ("llama", {"attention_bias": True}), ("mistral", {}),
+                                          ("qwen2", {})])
+def test_meta_layout_checkpoint_with_interleaved_rope_equals_hf_twin(family, extra, tmp_path):
+    """q/k rows converted to interleaved order (Meta / llama.cpp) + interleaved RoPE == the HF-layout model."""
+    from safetensors.torch import load_file, save_file
+
+    from ropekit.tools.convert import HeadSpec, convert_checkpoint
+
+    hf = tiny(family, **extra)
+    ref = logits(hf, IDS)
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, tmp_path / "hf.safetensors")
+    cfg = hf.config
+    result = convert_checkpoint(tmp_path / "hf.safetensors", tmp_path / "meta.safetensors",
+                                HeadSpec(cfg.num_attention_heads, cfg.num_key_value_heads),
+                                src_layout="half", dst_layout="interleaved", verify=True)
+    kinds = ("weight", "bias") if family == "qwen2" or extra.get("attention_bias") else ("weight",)
+    assert len(result.converted) == 2 * len(kinds) * cfg.num_hidden_layers
+    meta = tiny(family, **extra)
+    meta.load_state_dict(load_file(tmp_path / "meta.safetensors"))
+    assert not torch.allclose(logits(meta, IDS), ref, atol=1e-3)  # HF's half-pair RoPE is wrong for these rows
+    own = RopeConfig.from_hf(cfg)
+    patch(meta, rope=RopeConfig(head_dim=own.head_dim, rotary_dim=own.rotary_dim, base=own.base,
+                                layout="interleaved"))
+    torch.testing.assert_close(logits(meta, IDS), ref, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(meta.generate(IDS[:1, :8], **kwargs), hf.generate(IDS[:1, :8], **kwargs))
+    unpatch(meta)

@@ -9,35 +9,42 @@ from ._checks import check_float_tensor, check_layout
 
 
 def _expand_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check the tables against ``x`` and view them with ``x.dim()`` dimensions."""
+    """Check the tables against ``x`` and view them with ``x.dim()`` dimensions.
+
+    This runs on every call (decode steps included), so the common case costs a few
+    attribute reads; the messages are only built when something is wrong.
+    """
     check_float_tensor(cos, "cos")
     check_float_tensor(sin, "sin")
-    if cos.shape != sin.shape:
-        raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    if cos.dim() == 0:
+    table_shape, x_shape = cos.shape, x.shape
+    if table_shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape, got {tuple(table_shape)} and {tuple(sin.shape)}")
+    ndim, x_ndim = len(table_shape), len(x_shape)
+    if ndim == 0:
         raise ValueError("cos must have at least one dimension (rotary_dim // 2,), got a scalar")
-    if cos.dim() > x.dim():
+    if ndim > x_ndim:
         raise ValueError(
-            f"cos has {cos.dim()} dimensions, more than x ({x.dim()}): tables must broadcast against x; "
-            f"got cos {tuple(cos.shape)} and x {tuple(x.shape)}"
+            f"cos has {ndim} dimensions, more than x ({x_ndim}): tables must broadcast against x; "
+            f"got cos {tuple(table_shape)} and x {tuple(x_shape)}"
         )
-    rotary_dim = 2 * cos.shape[-1]
-    if rotary_dim > x.shape[-1]:
+    if 2 * table_shape[-1] > x_shape[-1]:
         raise ValueError(
-            f"x has {x.shape[-1]} channels in its last dimension, fewer than rotary_dim = 2 * cos.shape[-1] = "
-            f"{rotary_dim}"
+            f"x has {x_shape[-1]} channels in its last dimension, fewer than rotary_dim = 2 * cos.shape[-1] = "
+            f"{2 * table_shape[-1]}"
         )
-    lead = (1,) * (x.dim() - cos.dim())
-    cos = cos.reshape(lead + tuple(cos.shape))
-    sin = sin.reshape(lead + tuple(sin.shape))
-    for axis, (t, n) in enumerate(zip(cos.shape[:-1], x.shape[:-1], strict=True)):
-        if t not in (1, n):
+    lead = x_ndim - ndim
+    for axis in range(ndim - 1):
+        t, n = table_shape[axis], x_shape[lead + axis]
+        if t != 1 and t != n:
             raise ValueError(
-                f"cos/sin of shape {tuple(cos.shape)} do not broadcast against x of shape {tuple(x.shape)} "
-                f"(axis {axis}: {t} vs {n})"
+                f"cos/sin of shape {tuple(table_shape)} do not broadcast against x of shape {tuple(x_shape)} "
+                f"(axis {lead + axis}: {t} vs {n})"
             )
-    if cos.device != x.device:
+    if not (cos.is_cpu and x.is_cpu) and cos.device != x.device:
         raise ValueError(f"cos is on {cos.device} but x is on {x.device}")
+    if lead:  # adding leading size-1 axes is always a view
+        cos = cos.view((1,) * lead + tuple(table_shape))
+        sin = sin.view((1,) * lead + tuple(table_shape))
     return cos, sin
 
 

@@ -8,7 +8,7 @@ Works for the families whose modeling file has a model-level ``*RotaryEmbedding`
   ``(batch, seq, rotary_dim)`` (halves duplicated, as Hugging Face lays them out) computed by
   :func:`ropekit.cos_sin` from float64 angles, whatever the activation dtype;
 * wraps each attention module's ``forward`` so that, while it runs, the modeling module's
-  ``apply_rotary_pos_emb`` rotates q/k with :func:`ropekit.apply_rotary` (half layout, float32
+  ``apply_rotary_pos_emb`` rotates q/k with :func:`ropekit.apply_rotary` (in ``rope.layout``, float32
   arithmetic, result in q's dtype). Other (unpatched) models sharing the modeling module keep the
   original function: the replacement falls through to it when no patched attention is running.
 
@@ -84,7 +84,9 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
         model: a loaded ``transformers`` model (e.g. ``LlamaForCausalLM``) of a supported family.
         rope: the rotary embedding to use instead of the model's own (e.g. a YaRN context
             extension); default ``RopeConfig.from_hf(model.config)``. Its ``head_dim``/``rotary_dim``
-            must match the model's and its layout must be ``"half"`` (Hugging Face weights).
+            must match the model's. Its ``layout`` is the pairing q/k are rotated with: ``"half"`` for
+            Hugging Face weights; ``"interleaved"`` for a checkpoint whose q/k rows are in Meta /
+            llama.cpp order (e.g. converted with ``ropekit convert --to interleaved``).
         backend: ropekit backend for the rotation (``"auto"`` or a name from ``ropekit.backends.available()``).
 
     Raises:
@@ -93,14 +95,16 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
     if getattr(model, _STATE, None) is not None:
         raise ValueError("model is already patched by ropekit; call unpatch(model) first")
     own = RopeConfig.from_hf(model.config)
+    if rope is None and own.layout != "half":
+        # e.g. rope_interleave configs: their modeling code may rotate in its own way; be explicit
+        raise ValueError(f"{type(model).__name__}'s config implies layout {own.layout!r}; pass rope= with the "
+                         "layout its q/k weights are stored in")
     rope = own if rope is None else rope
     if not isinstance(rope, RopeConfig):
         raise TypeError(f"rope must be a ropekit.RopeConfig or None, got {type(rope).__name__}")
     if (rope.head_dim, rope.rotary_dim) != (own.head_dim, own.rotary_dim):
         raise ValueError(f"rope has head_dim {rope.head_dim}, rotary_dim {rope.rotary_dim}; the model has "
                          f"head_dim {own.head_dim}, rotary_dim {own.rotary_dim}")
-    if rope.layout != "half":
-        raise ValueError(f"rope.layout must be 'half' for Hugging Face weights, got {rope.layout!r}")
     if getattr(rope.scaling, "dynamic", False) and getattr(rope.scaling, "fixed_seq_len", None) is None:
         raise ValueError("length-dependent scaling (dynamic NTK, LongRoPE) needs fixed_seq_len for a KV cache; "
                          "use RopeConfig.from_hf(config, fixed_seq_len=...)")
@@ -115,7 +119,7 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
         m.forward = types.MethodType(_rotary_forward(inv_freq.to(m.inv_freq.device), scale), m)
     modules = []
     for m in attention:
-        m.forward = types.MethodType(_attention_forward(m.forward, "half", backend), m)
+        m.forward = types.MethodType(_attention_forward(m.forward, rope.layout, backend), m)
         mod = _modeling_module(m)
         if mod.__name__ not in modules:
             modules.append(mod.__name__)
