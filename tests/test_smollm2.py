@@ -90,7 +90,8 @@ def test_convert_checkpoint_matches_llama_cpp_layout(model, gguf_qk, tmp_path):
 
     n = model.config.num_hidden_layers
     names = {(i, kind): f"model.layers.{i}.self_attn.{kind}_proj.weight" for i in range(n) for kind in "qk"}
-    save_file({name: hf_qk(model, i, kind).contiguous() for (i, kind), name in names.items()}, tmp_path / "hf.safetensors")
+    tensors = {name: hf_qk(model, i, kind).contiguous() for (i, kind), name in names.items()}
+    save_file(tensors, tmp_path / "hf.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(model.config.to_dict()))
     spec = HeadSpec.from_config(json.loads((tmp_path / "config.json").read_text()))
     assert (spec.n_heads, spec.n_kv_heads, spec.rotary_dim) == (9, 3, 64)
@@ -118,19 +119,26 @@ def test_patched_model_same_logits_and_answer(model, tokenizer, prompt):
     assert "Paris" in answer, answer
 
 
-def test_llama_cpp_layout_with_interleaved_rope_equals_hf(model, gguf_qk, prompt):
-    """Load the GGUF's own interleaved q/k into the model and rotate interleaved pairs: same logits."""
+def test_llama_cpp_layout_with_interleaved_rope_equals_hf(model, tokenizer, gguf_qk, prompt):
+    """Load the GGUF's own interleaved q/k into the model and rotate interleaved pairs: same logits and text."""
     own = RopeConfig.from_hf(model.config)
     saved = {key: hf_qk(model, *key).clone() for key in gguf_qk}
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     with torch.no_grad():
         ref = model(**prompt).logits
+        ref_gen = model.generate(**prompt, **kwargs)
         try:
             for (i, kind), w in gguf_qk.items():
                 hf_qk(model, i, kind).copy_(w)
+            assert not torch.allclose(model(**prompt).logits, ref, atol=1.0)  # half-pair RoPE on these rows: wrong
             patch(model, rope=RopeConfig(head_dim=own.head_dim, base=own.base, layout="interleaved"))
-            out = model(**prompt).logits
-            unpatch(model)
+            try:
+                out = model(**prompt).logits
+                gen = model.generate(**prompt, **kwargs)
+            finally:
+                unpatch(model)
         finally:
             for (i, kind), w in saved.items():
                 hf_qk(model, i, kind).copy_(w)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-4)
+    assert torch.equal(gen, ref_gen)
