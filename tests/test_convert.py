@@ -267,3 +267,101 @@ def test_error_missing_k_and_unknown_layout(tmp_path):
         conv.run(args)
     with pytest.raises(ValueError, match="SRC does not exist"):
         run(tmp_path / "nope.safetensors", tmp_path / "o.safetensors", "--to", "half", "--heads", HEADS)
+
+
+def fused_state(layout, heads=HEADS, kv=KV, head_dim=HEAD_DIM, bias=True):
+    g = torch.Generator().manual_seed(2)
+    name = "model.layers.0.self_attn.qkv_proj" if layout == "concat" else "gpt_neox.layers.0.attention.query_key_value"
+    rows = (heads + 2 * kv) * head_dim
+    sd = {name + ".weight": torch.randn(rows, HIDDEN, generator=g).to(torch.bfloat16),
+          "gpt_neox.embed_in.weight": torch.randn(32, HIDDEN, generator=g)}
+    if bias:
+        sd[name + ".bias"] = torch.randn(rows, generator=g)
+    return name, sd
+
+
+@pytest.mark.parametrize("layout", ["concat", "per_head"])
+def test_fused_qkv_permutes_q_and_k_rows_only(tmp_path, layout):
+    from ropekit import permute_qk_weight
+
+    kv = KV if layout == "concat" else HEADS  # GPT-NeoX has one k/v head per query head
+    name, sd = fused_state(layout, kv=kv)
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    assert run(tmp_path / "m.safetensors", tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS,
+               "--kv-heads", kv, "--rotary-dim", 4, "--verify") == 0
+    out = load_file(str(tmp_path / "o.safetensors"))
+    for kind in ("weight", "bias"):
+        w, got = sd[f"{name}.{kind}"], out[f"{name}.{kind}"]
+        if layout == "concat":  # rows [q (HEADS*hd); k (kv*hd); v (kv*hd)]
+            q, k, v = w.split([HEADS * HEAD_DIM, kv * HEAD_DIM, kv * HEAD_DIM])
+            q2, k2, v2 = got.split([HEADS * HEAD_DIM, kv * HEAD_DIM, kv * HEAD_DIM])
+        else:  # rows per head [q_h; k_h; v_h]
+            q, k, v = (w.reshape(HEADS, 3, HEAD_DIM, *w.shape[1:])[:, i].reshape(HEADS * HEAD_DIM, *w.shape[1:])
+                       for i in range(3))
+            q2, k2, v2 = (got.reshape(HEADS, 3, HEAD_DIM, *w.shape[1:])[:, i].reshape(HEADS * HEAD_DIM, *w.shape[1:])
+                          for i in range(3))
+        assert torch.equal(q2, permute_qk_weight(q, HEADS, src="half", dst="interleaved", rotary_dim=4))
+        assert torch.equal(k2, permute_qk_weight(k, kv, src="half", dst="interleaved", rotary_dim=4))
+        assert torch.equal(v2.view(torch.uint8) if v2.dtype == torch.bfloat16 else v2,
+                           v.view(torch.uint8) if v.dtype == torch.bfloat16 else v)
+        assert got.dtype == w.dtype
+    assert run(tmp_path / "o.safetensors", tmp_path / "back.safetensors", "--to", "half", "--heads", HEADS,
+               "--kv-heads", kv, "--rotary-dim", 4) == 0
+    assert_identical(load_file(str(tmp_path / "back.safetensors")), sd)
+
+
+def test_qk_norms_permuted_with_the_head_channels(tmp_path):
+    from ropekit import channel_permutation
+
+    sd = state(bias=False)
+    g = torch.Generator().manual_seed(4)
+    for i in range(2):
+        for role in ("q", "k"):
+            sd[f"model.layers.{i}.self_attn.{role}_norm.weight"] = torch.rand(HEAD_DIM, generator=g) + 0.5
+    sd["model.layers.0.input_layernorm.weight"] = torch.rand(HIDDEN, generator=g)
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    assert run(tmp_path / "m.safetensors", tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS,
+               "--kv-heads", KV, "--verify") == 0
+    out = load_file(str(tmp_path / "o.safetensors"))
+    perm = channel_permutation(HEAD_DIM, "half", "interleaved")
+    for i in range(2):
+        for role in ("q", "k"):
+            name = f"model.layers.{i}.self_attn.{role}_norm.weight"
+            assert torch.equal(out[name], sd[name][perm]), name
+    assert torch.equal(out["model.layers.0.input_layernorm.weight"], sd["model.layers.0.input_layernorm.weight"])
+
+
+def test_verify_catches_unpermuted_norm_and_changed_v(tmp_path, monkeypatch):
+    from ropekit.tools.qk_tensors import find_layers
+
+    sd = state(layers=1)
+    sd["model.layers.0.self_attn.q_norm.weight"] = torch.rand(HEAD_DIM) + 0.5
+    sd["model.layers.0.self_attn.k_norm.weight"] = torch.rand(HEAD_DIM) + 0.5
+    spec = conv.HeadSpec(HEADS, KV)
+    layers = find_layers(list(sd))
+    after = {**sd, **{k: v for k, v in conv.convert_layer(layers["model.layers.0.self_attn"], sd, spec, "half",
+                                                          "interleaved").items() if "norm" not in k}}
+    assert conv.verify_layers(sd, after, layers, spec, "half", "interleaved") > 1e-3
+    name, fused = fused_state("concat")
+    layers = find_layers(list(fused))
+    after = {**fused, name + ".weight": fused[name + ".weight"].flip(0)}  # v rows moved too
+    assert conv.verify_layers(fused, after, layers, spec, "half", "interleaved") == float("inf")
+
+
+@pytest.mark.parametrize(
+    ("extra", "heads", "kv", "match"),
+    [
+        ({"model.layers.9.self_attn.q_norm.weight": torch.ones(HEAD_DIM)}, HEADS, KV, "no q/k projection weight"),
+        ({"model.layers.0.self_attn.q_norm.weight": torch.ones(3)}, HEADS, KV, r"q/k norm .* shape \(3,\)"),
+        ({"model.layers.0.self_attn.qkv_proj.weight": torch.ones(64, HIDDEN)}, HEADS, KV, "both a fused"),
+        ({"gpt_neox.layers.0.attention.query_key_value.weight": torch.ones(96, HIDDEN)}, HEADS, KV, "n_kv_heads=2"),
+        ({"layers.0.qkv_proj.weight": torch.ones(50, HIDDEN)}, HEADS, KV, "50 output rows"),
+    ],
+)
+def test_fused_and_norm_errors(tmp_path, extra, heads, kv, match):
+    sd = {**state(), **extra}
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        run(tmp_path / "m.safetensors", tmp_path / "o.safetensors", "--to", "interleaved", "--heads", heads,
+            "--kv-heads", kv)
+    assert not (tmp_path / "o.safetensors").exists()

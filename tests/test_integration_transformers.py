@@ -141,25 +141,62 @@ def test_torch_compile_eager_backend():
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("family,extra", [("llama", {}), ("llama", {"attention_bias": True}), ("mistral", {}),
-                                          ("qwen2", {})])
-def test_meta_layout_checkpoint_with_interleaved_rope_equals_hf_twin(family, extra, tmp_path):
+# tensors ropekit convert must touch per layer (q/k projections, fused q/k/v, q/k norms)
+TWIN_CASES = [
+    ("llama", {}, ("q_proj.weight", "k_proj.weight")),
+    ("llama", {"attention_bias": True}, ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")),
+    ("mistral", {}, ("q_proj.weight", "k_proj.weight")),
+    ("qwen2", {}, ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")),
+    ("qwen3", {}, ("q_proj.weight", "k_proj.weight", "q_norm.weight", "k_norm.weight")),
+    ("phi3", {}, ("qkv_proj.weight",)),
+    ("gpt_neox", {}, ("query_key_value.weight", "query_key_value.bias")),
+]
+
+
+def randomize_attention_vectors(model):
+    """Biases start at 0 and RMSNorm weights at 1, which no permutation changes: make them random."""
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and ("self_attn." in name or ".attention." in name):
+                noise = torch.randn(p.shape, generator=generator)
+                p.copy_(noise * 0.02 if name.endswith("bias") else noise.abs() + 0.5)
+
+
+@pytest.mark.parametrize("family,extra,touched", TWIN_CASES,
+                         ids=[f"{f}{'-bias' if e else ''}" for f, e, _ in TWIN_CASES])
+def test_meta_layout_checkpoint_with_interleaved_rope_equals_hf_twin(family, extra, touched, tmp_path):
     """q/k rows converted to interleaved order (Meta / llama.cpp) + interleaved RoPE == the HF-layout model."""
     from safetensors.torch import load_file, save_file
 
     from ropekit.tools.convert import HeadSpec, convert_checkpoint
+    from ropekit.tools.qk_tensors import split_fused
 
     hf = tiny(family, **extra)
+    randomize_attention_vectors(hf)
     ref = logits(hf, IDS)
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, tmp_path / "hf.safetensors")
+    original = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    save_file(original, tmp_path / "hf.safetensors")
     cfg = hf.config
-    result = convert_checkpoint(tmp_path / "hf.safetensors", tmp_path / "meta.safetensors",
-                                HeadSpec(cfg.num_attention_heads, cfg.num_key_value_heads),
+    spec = HeadSpec.from_config(cfg.to_dict())
+    result = convert_checkpoint(tmp_path / "hf.safetensors", tmp_path / "meta.safetensors", spec,
                                 src_layout="half", dst_layout="interleaved", verify=True)
-    kinds = ("weight", "bias") if family == "qwen2" or extra.get("attention_bias") else ("weight",)
-    assert len(result.converted) == 2 * len(kinds) * cfg.num_hidden_layers
+    assert result.verified and result.max_score_error < 1e-9
+    assert sorted(result.converted) == sorted(n for n in original if n.endswith(touched))
+    assert len(result.converted) == len(touched) * cfg.num_hidden_layers
+    converted = load_file(tmp_path / "meta.safetensors")
+    for name in result.converted:
+        assert not torch.equal(converted[name], original[name]), name
+        if name.endswith(("qkv_proj.weight", "query_key_value.weight", "query_key_value.bias")):
+            layout = "concat" if "qkv_proj" in name else "per_head"
+            hd = spec.head_dim
+            _, _, v_before = split_fused(original[name], layout, spec.n_heads, spec.n_kv_heads, hd)
+            _, _, v_after = split_fused(converted[name], layout, spec.n_heads, spec.n_kv_heads, hd)
+            assert torch.equal(v_after, v_before), name  # v rows untouched
+    for name in set(original) - set(result.converted):
+        assert torch.equal(converted[name], original[name]), name
     meta = tiny(family, **extra)
-    meta.load_state_dict(load_file(tmp_path / "meta.safetensors"))
+    meta.load_state_dict(converted)
     assert not torch.allclose(logits(meta, IDS), ref, atol=1e-3)  # HF's half-pair RoPE is wrong for these rows
     own = RopeConfig.from_hf(cfg)
     patch(meta, rope=RopeConfig(head_dim=own.head_dim, rotary_dim=own.rotary_dim, base=own.base,
@@ -169,3 +206,27 @@ def test_meta_layout_checkpoint_with_interleaved_rope_equals_hf_twin(family, ext
         kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(meta.generate(IDS[:1, :8], **kwargs), hf.generate(IDS[:1, :8], **kwargs))
     unpatch(meta)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gpt_neox"])
+def test_twin_breaks_if_norms_or_fused_rows_are_not_converted(family, tmp_path, monkeypatch):
+    """The new tensor kinds matter: --verify catches unconverted q/k norms or fused k rows."""
+    from safetensors.torch import save_file
+
+    from ropekit.tools import convert as conv
+
+    hf = tiny(family)
+    randomize_attention_vectors(hf)
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, tmp_path / "hf.safetensors")
+    spec = conv.HeadSpec.from_config(hf.config.to_dict())
+    if family == "qwen3":  # forgetting the q/k norms
+        real = conv.convert_layer
+        monkeypatch.setattr(conv, "convert_layer", lambda layer, *a: {
+            k: v for k, v in real(layer, *a).items() if "norm" not in k})
+    else:  # forgetting the k rows of the fused projection (v rows stay untouched, so only the scores tell)
+        real = conv._permute
+        monkeypatch.setattr(conv, "_permute", lambda name, w, *a: w if name.endswith("(k rows)") else real(name, w, *a))
+    result = conv.convert_checkpoint(tmp_path / "hf.safetensors", tmp_path / "meta.safetensors", spec,
+                                     src_layout="half", dst_layout="interleaved", verify=True)
+    assert result.verified is False and 1e-3 < result.max_score_error < float("inf")
+    assert not (tmp_path / "meta.safetensors").exists()

@@ -3,16 +3,18 @@
 Every q/k projection weight ``(n_heads * head_dim, in_features)`` and bias ``(n_heads * head_dim,)``
 gets its output rows permuted per head with :func:`ropekit.permute_qk_weight` (the key projection
 with the key/value head count under grouped-query attention; only the first ``rotary_dim``
-channels of each head under partial rotary). Attention scores are unchanged because the
-permutation ``P`` is orthogonal and ``RoPE_dst(P q) = P RoPE_src(q)``; ``--verify`` checks exactly
-that on random inputs. Every other tensor is written back bit for bit with its dtype.
+channels of each head under partial rotary). Fused q/k/v projections (Phi-3 ``qkv_proj``, GPT-NeoX
+``query_key_value``) get their q and k rows permuted and their v rows copied; per-head q/k norm
+weights (Qwen3 ``q_norm``/``k_norm``) get the same channel permutation (see :mod:`.qk_tensors`).
+Attention scores are unchanged because the permutation ``P`` is orthogonal and
+``RoPE_dst(P q) = P RoPE_src(q)``; ``--verify`` checks exactly that on random inputs. Every other
+tensor is written back bit for bit with its dtype.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +27,9 @@ from ..frequencies import base_inv_freq, cos_sin
 from ..functional import apply_rotary
 from ..layouts import permute_qk_weight
 from .checkpoint_io import Checkpoint, Shard, load_checkpoint, safetensors_name, write_atomically
+from .qk_tensors import K_PATTERN, Q_PATTERN, QKLayer, find_layers, fused_head_dim, join_fused, layer_parts, split_fused
 
-#: q/k projection names in circulation: transformers (``*.q_proj.weight``) and Meta (``*.attention.wq.weight``).
-Q_PATTERN = r"(?:^|\.)(?:q_proj|attention\.wq)\.(?:weight|bias)$"
-K_PATTERN = r"(?:^|\.)(?:k_proj|attention\.wk)\.(?:weight|bias)$"
+__all__ = ["K_PATTERN", "Q_PATTERN", "ConvertResult", "HeadSpec", "convert_checkpoint", "find_layers"]
 
 
 @dataclass(frozen=True)
@@ -72,37 +73,6 @@ class ConvertResult:
     verified: bool | None = None
 
 
-def find_qk(names: list[str], q_pattern: str, k_pattern: str) -> dict[tuple[str, str], dict[str, str]]:
-    """Group q/k tensor names by layer: ``{(prefix, kind): {"q": name, "k": name}}``, kind ``weight``/``bias``.
-
-    ``prefix`` is the name with the pattern's match removed, so the q and k of one layer share it.
-    Raises ``ValueError`` when a name matches both patterns or a q has no k (or the reverse).
-    """
-    q_re, k_re = re.compile(q_pattern), re.compile(k_pattern)
-    layers: dict[tuple[str, str], dict[str, str]] = {}
-    for name in names:
-        q_match, k_match = q_re.search(name), k_re.search(name)
-        if q_match and k_match:
-            raise ValueError(f"tensor {name!r} matches both the q pattern {q_pattern!r} "
-                             f"and the k pattern {k_pattern!r}")
-        match = q_match or k_match
-        if match is None:
-            continue
-        role = "q" if q_match else "k"
-        kind = "bias" if name.endswith("bias") else "weight"
-        key = (name[: match.start()] + name[match.end():], kind)
-        entry = layers.setdefault(key, {})
-        if role in entry:
-            raise ValueError(f"tensors {entry[role]!r} and {name!r} both look like the {role} {kind} of one layer")
-        entry[role] = name
-    for (_, kind), entry in layers.items():
-        if set(entry) != {"q", "k"}:
-            have, want = ("q", "k") if "q" in entry else ("k", "q")
-            raise ValueError(f"found the {have} {kind} {entry[have]!r} but no matching {want} tensor "
-                             f"(pattern {k_pattern if want == 'k' else q_pattern!r})")
-    return layers
-
-
 def _permute(name: str, w: torch.Tensor, heads: int, spec: HeadSpec, src: str, dst: str) -> torch.Tensor:
     if w.dim() not in (1, 2):
         raise ValueError(f"tensor {name!r} has shape {tuple(w.shape)}; a q/k weight is 2-D and a bias 1-D")
@@ -117,13 +87,51 @@ def _permute(name: str, w: torch.Tensor, heads: int, spec: HeadSpec, src: str, d
         raise ValueError(f"tensor {name!r}: {exc}") from None
 
 
-def _scores(q_w, q_b, k_w, k_b, x, spec: HeadSpec, layout: str) -> torch.Tensor:
+def convert_layer(layer: QKLayer, tensors: dict[str, torch.Tensor], spec: HeadSpec, src: str,
+                  dst: str) -> dict[str, torch.Tensor]:
+    """The converted tensors of one layer: q/k rows permuted, fused v rows and everything else as they were."""
+    out: dict[str, torch.Tensor] = {}
+    for role, heads in (("q", spec.n_heads), ("k", spec.n_kv_heads)):
+        for name in getattr(layer, role).values():
+            out[name] = _permute(name, tensors[name], heads, spec, src, dst)
+    head_dim = None
+    for name in layer.fused.values():
+        w = tensors[name]
+        if w.dim() not in (1, 2):
+            raise ValueError(f"tensor {name!r} has shape {tuple(w.shape)}; a fused weight is 2-D and a bias 1-D")
+        head_dim = fused_head_dim(name, w.shape[0], layer.fused_layout, spec.n_heads, spec.n_kv_heads)
+        q, k, v = split_fused(w, layer.fused_layout, spec.n_heads, spec.n_kv_heads, head_dim)
+        q = _permute(f"{name} (q rows)", q, spec.n_heads, spec, src, dst)
+        k = _permute(f"{name} (k rows)", k, spec.n_kv_heads, spec, src, dst)
+        out[name] = join_fused(q, k, v, layer.fused_layout, spec.n_heads)
+    if "weight" in layer.q:
+        head_dim = tensors[layer.q["weight"]].shape[0] // spec.n_heads
+    for role, name in layer.norm.items():
+        w, heads = tensors[name], spec.n_heads if role == "q" else spec.n_kv_heads
+        if w.dim() != 1 or w.shape[0] not in (head_dim, heads * head_dim):
+            raise ValueError(f"q/k norm {name!r} has shape {tuple(w.shape)}; expected ({head_dim},) (per head) "
+                             f"or ({heads * head_dim},) (whole projection)")
+        out[name] = _permute(name, w, 1 if w.shape[0] == head_dim else heads,
+                             HeadSpec(1, 1, None, spec.rotary_dim), src, dst)
+    return out
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """RMSNorm of ``x`` ``(seq, heads, head_dim)`` per head (``weight`` ``(head_dim,)``) or over all heads."""
+    if weight is None:
+        return x
+    flat = x if weight.numel() == x.shape[-1] else x.reshape(x.shape[0], -1)
+    flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    return flat.reshape(x.shape)
+
+
+def _scores(parts: dict, x: torch.Tensor, spec: HeadSpec, layout: str) -> torch.Tensor:
     """Attention logits ``(heads, seq, seq)`` in float64 of one layer with RoPE in ``layout``."""
     seq = x.shape[0]
-    q = x @ q_w.double().T + (0 if q_b is None else q_b.double())
-    k = x @ k_w.double().T + (0 if k_b is None else k_b.double())
-    q = q.reshape(seq, spec.n_heads, -1)
-    k = k.reshape(seq, spec.n_kv_heads, -1)
+    q = x @ parts["q_w"].double().T + (0 if parts["q_b"] is None else parts["q_b"].double())
+    k = x @ parts["k_w"].double().T + (0 if parts["k_b"] is None else parts["k_b"].double())
+    q = _rms_norm(q.reshape(seq, spec.n_heads, -1), parts["q_norm"])
+    k = _rms_norm(k.reshape(seq, spec.n_kv_heads, -1), parts["k_norm"])
     rotary_dim = spec.rotary_dim or q.shape[-1]
     cos, sin = cos_sin(torch.arange(seq), base_inv_freq(rotary_dim, spec.base))
     cos, sin = cos.double()[:, None, :], sin.double()[:, None, :]
@@ -136,7 +144,7 @@ def _scores(q_w, q_b, k_w, k_b, x, spec: HeadSpec, layout: str) -> torch.Tensor:
 def verify_layers(
     before: dict[str, torch.Tensor],
     after: dict[str, torch.Tensor],
-    layers: dict[tuple[str, str], dict[str, str]],
+    layers: dict[str, QKLayer],
     spec: HeadSpec,
     src: str,
     dst: str,
@@ -146,19 +154,22 @@ def verify_layers(
 ) -> float:
     """Largest relative difference of attention scores, source layout on ``before`` vs ``dst`` on ``after``.
 
-    For each layer, ``seq`` random float64 inputs go through q/k (weight and bias), RoPE in the
-    respective layout, and ``q k^T`` per query head (key heads shared under GQA).
+    For each layer, ``seq`` random float64 inputs go through q/k (weight, bias, q/k norm), RoPE in the
+    respective layout, and ``q k^T`` per query head (key heads shared under GQA). The v rows of a
+    fused projection must be bit-identical (else the result is ``inf``).
     """
     generator = torch.Generator().manual_seed(seed)
     worst = 0.0
-    for (prefix, kind), entry in layers.items():
-        if kind != "weight":
+    for layer in layers.values():
+        ref_parts = layer_parts(layer, before, spec.n_heads, spec.n_kv_heads)
+        out_parts = layer_parts(layer, after, spec.n_heads, spec.n_kv_heads)
+        for key in ("v_w", "v_b"):
+            if ref_parts[key] is not None and not torch.equal(ref_parts[key], out_parts[key]):
+                return float("inf")
+        if ref_parts["q_w"] is None:
             continue
-        biases = layers.get((prefix, "bias"), {})
-        qn, kn = entry["q"], entry["k"]
-        x = torch.randn(seq, before[qn].shape[1], generator=generator, dtype=torch.float64)
-        ref = _scores(before[qn], before.get(biases.get("q")), before[kn], before.get(biases.get("k")), x, spec, src)
-        out = _scores(after[qn], after.get(biases.get("q")), after[kn], after.get(biases.get("k")), x, spec, dst)
+        x = torch.randn(seq, ref_parts["q_w"].shape[1], generator=generator, dtype=torch.float64)
+        ref, out = _scores(ref_parts, x, spec, src), _scores(out_parts, x, spec, dst)
         scale = ref.abs().max().item() or 1.0
         worst = max(worst, (out - ref).abs().max().item() / scale)
     return worst
@@ -227,15 +238,14 @@ def convert_checkpoint(
         raise FileExistsError(f"output exists (pass --force to overwrite): {', '.join(existing)}")
 
     before = ckpt.tensors()
-    layers = find_qk(list(before), q_pattern, k_pattern)
+    layers = find_layers(list(before), q_pattern, k_pattern)
     if not layers:
         raise ValueError(f"no q/k projection tensors found (patterns q {q_pattern!r}, k {k_pattern!r}); "
                          f"first names: {list(before)[:5]}")
     result = ConvertResult()
     converted: dict[str, torch.Tensor] = {}
-    for entry in layers.values():
-        converted[entry["q"]] = _permute(entry["q"], before[entry["q"]], spec.n_heads, spec, src_layout, dst_layout)
-        converted[entry["k"]] = _permute(entry["k"], before[entry["k"]], spec.n_kv_heads, spec, src_layout, dst_layout)
+    for layer in layers.values():
+        converted.update(convert_layer(layer, before, spec, src_layout, dst_layout))
     result.converted = sorted(converted)
     if verify:
         after = {**before, **converted}
