@@ -272,9 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.set_defaults(func=cmd_bench)
 
-    from .tools import convert
+    from .tools import convert, extrapolate, train
 
     convert.add_parser(verbs)
+    train.add_parser(verbs)
+    extrapolate.add_parser(verbs)
     return parser
 
 

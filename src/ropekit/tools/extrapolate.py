@@ -1,0 +1,158 @@
+"""``ropekit extrapolate``: train at a short context, evaluate at 1x, 2x, 4x and 8x that length.
+
+One model per encoding (rope, sinusoidal, learned, none) is trained at ``--context T``; then the
+validation loss is measured on windows of ``k*T`` characters, ``k`` in 1, 2, 4, 8. The RoPE model
+is evaluated four ways without any fine-tuning: plain, and with :class:`~ropekit.scaling.Linear`
+(position interpolation), :class:`~ropekit.scaling.NTK` and :class:`~ropekit.scaling.YaRN` applied
+at evaluation with factor ``k`` (``original_max_position_embeddings = T`` for YaRN). A learned
+table has no rows past ``T``: those cells are reported as not applicable (``null`` in JSON).
+
+Writes ``extrapolation.json``, ``extrapolation.png`` and the model files into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from ..scaling import NTK, Linear, YaRN
+from .charlm import save_model
+from .train import (
+    COMPARE,
+    corpus_for,
+    evaluate,
+    prepare_out,
+    set_threads,
+    sizes_for,
+    train_one,
+    val_windows,
+    write_bytes_atomic,
+    write_json,
+)
+
+MULTIPLES = (1, 2, 4, 8)
+ROPE_VARIANTS = {
+    "rope": lambda factor, length: None,
+    "rope+linear": lambda factor, length: Linear(float(factor)),
+    "rope+ntk": lambda factor, length: NTK(float(factor)),
+    "rope+yarn": lambda factor, length: YaRN(float(factor), original_max_position_embeddings=length),
+}
+
+
+def evaluate_lengths(model, corpus, context: int, eval_tokens: int, variants: dict | None) -> dict[str, list]:
+    """``{row name: [val loss or None per multiple]}`` for one trained model.
+
+    ``variants`` maps row names to ``(factor, train length) -> scaling rule``; ``None`` means the
+    model is evaluated as it is, under its own encoding's name.
+    """
+    encoding = model.config.encoding
+    rows = variants or {encoding: None}
+    table: dict[str, list] = {name: [] for name in rows}
+    for multiple in MULTIPLES:
+        length = context * multiple
+        windows = val_windows(corpus.val, length, max(eval_tokens, length))
+        for name, make_rule in rows.items():
+            if encoding == "learned" and length > model.config.context:
+                table[name].append(None)  # no table rows past the training length
+                continue
+            if make_rule is not None:
+                model.set_rope_scaling(make_rule(multiple, context) if multiple > 1 else None)
+            table[name].append(evaluate(model, windows, batch=max(1, 16 // multiple)))
+        if variants:
+            model.set_rope_scaling(None)
+    return table
+
+
+def extrapolation_png(table: dict[str, list], context: int, title: str) -> bytes:
+    """PNG bytes: validation loss against evaluation length (log2 axis), one line per row."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6.4, 4.2), dpi=120)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    lengths = [context * m for m in MULTIPLES]
+    for i, (name, losses) in enumerate(table.items()):
+        points = [(n, v) for n, v in zip(lengths, losses, strict=True) if v is not None]
+        axes.plot(*zip(*points, strict=True), marker="o", color=f"C{i}", label=name)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(lengths, [str(n) for n in lengths])
+    axes.axvline(context, color="gray", linestyle=":", linewidth=1)
+    axes.set_xlabel("evaluation length (characters); dotted: training length")
+    axes.set_ylabel("validation loss (nats / character)")
+    axes.set_title(title, fontsize=10)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def format_table(table: dict[str, list], context: int) -> str:
+    """Fixed-width text table, ``n/a`` for missing cells."""
+    head = f"{'model':<14}" + "".join(f"{f'{m}x ({context * m})':>14}" for m in MULTIPLES)
+    lines = [head]
+    for name, losses in table.items():
+        lines.append(f"{name:<14}" + "".join(f"{'n/a' if v is None else format(v, '.4f'):>14}" for v in losses))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``extrapolate`` verb."""
+    set_threads(args)
+    sizes = sizes_for(args)
+    out = prepare_out(args.out)
+    corpus = corpus_for(args)
+    table: dict[str, list] = {}
+    runs = []
+    for encoding in COMPARE:
+        model, record = train_one(corpus, encoding, args.attention, sizes, args.seed, progress=not args.no_progress)
+        name = f"model-{encoding}-{args.attention}-ctx{sizes.context}.pt"
+        save_model(model, out / name, {"vocab": corpus.vocab, "record": record})
+        record["model_file"] = name
+        runs.append(record)
+        table.update(evaluate_lengths(model, corpus, sizes.context, sizes.eval_tokens,
+                                      ROPE_VARIANTS if encoding == "rope" else None))
+    summary = {
+        "train_context": sizes.context,
+        "multiples": list(MULTIPLES),
+        "lengths": [sizes.context * m for m in MULTIPLES],
+        "attention": args.attention,
+        "val_loss": table,
+        "not_applicable": {"learned": "a learned position table has no rows past the training length"},
+        "runs": runs,
+        "corpus": {"source": corpus.source, "val_chars": corpus.val.numel()},
+        "sizes": vars(sizes),
+        "seed": args.seed,
+    }
+    write_json(out / "extrapolation.json", summary)
+    title = f"trained at {sizes.context} chars ({args.attention} attention, {corpus.source}, seed {args.seed})"
+    write_bytes_atomic(out / "extrapolation.png", extrapolation_png(table, sizes.context, title))
+    print(f"validation loss (nats/char), trained at context {sizes.context}; scaling factor = eval length / "
+          f"{sizes.context}")
+    print(format_table(table, sizes.context))
+    finite = [v for row in table.values() for v in row if v is not None]
+    if not all(math.isfinite(v) for v in finite):
+        print("warning: some losses are not finite")
+    print(f"wrote {out / 'extrapolation.json'} and {out / 'extrapolation.png'}")
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the ``extrapolate`` verb."""
+    from .charlm import ATTENTIONS
+    from .train import common_arguments
+
+    parser = subparsers.add_parser(
+        "extrapolate", help="train short, evaluate at 1x-8x the length (RoPE +- Linear/NTK/YaRN, absolute)",
+        description="Train the character LM at --context per encoding, then report validation loss at 1x, 2x, "
+        "4x and 8x that length, with Linear, NTK and YaRN scaling applied to RoPE at evaluation only.")
+    parser.add_argument("--attention", choices=ATTENTIONS, default="softmax", help="attention (default softmax)")
+    parser.add_argument("--out", metavar="DIR", default="ropekit-extrapolate", help="output directory (default "
+                        "./ropekit-extrapolate)")
+    common_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
