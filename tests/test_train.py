@@ -129,7 +129,7 @@ def test_train_compare_writes_results(tmp_path, capsys):
 
 def test_extrapolate_reports_learned_as_not_applicable(tmp_path, capsys):
     args = parse("extrapolate", "--quick", "--steps", "4", "--context", "8", "--out", str(tmp_path),
-                 "--max-chars", str(MAX_CHARS), "--threads", "1", "--no-progress")
+                 "--max-chars", str(MAX_CHARS), "--threads", "1", "--no-progress", "--finetune-steps", "0")
     assert extrapolate.run(args) == 0
     data = json.loads((tmp_path / "extrapolation.json").read_text())
     assert data["lengths"] == [8, 16, 32, 64]
@@ -140,6 +140,17 @@ def test_extrapolate_reports_learned_as_not_applicable(tmp_path, capsys):
     assert (tmp_path / "extrapolation.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
     assert "n/a" in out and "rope+yarn" in out
+
+
+def test_extrapolate_short_finetune_rows(tmp_path):
+    args = parse("extrapolate", "--quick", "--steps", "4", "--context", "8", "--out", str(tmp_path),
+                 "--max-chars", str(MAX_CHARS), "--threads", "1", "--no-progress", "--finetune-steps", "3")
+    assert extrapolate.run(args) == 0
+    loss = json.loads((tmp_path / "extrapolation.json").read_text())["val_loss"]
+    for name, plain in (("rope+linear+ft", "rope+linear"), ("rope+yarn+ft", "rope+yarn")):
+        assert loss[name][0] == loss["rope"][0]  # 1x: the model as trained, no fine-tune
+        assert all(math.isfinite(v) for v in loss[name])
+        assert all(a != b for a, b in zip(loss[name][1:], loss[plain][1:], strict=True))  # it was fine-tuned
 
 
 def test_console_script_train(tmp_path):

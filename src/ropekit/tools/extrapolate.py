@@ -4,7 +4,9 @@ One model per encoding (rope, sinusoidal, learned, none) is trained at ``--conte
 validation loss is measured on windows of ``k*T`` characters, ``k`` in 1, 2, 4, 8. The RoPE model
 is evaluated four ways without any fine-tuning: plain, and with :class:`~ropekit.scaling.Linear`
 (position interpolation), :class:`~ropekit.scaling.NTK` and :class:`~ropekit.scaling.YaRN` applied
-at evaluation with factor ``k`` (``original_max_position_embeddings = T`` for YaRN). A learned
+at evaluation with factor ``k`` (``original_max_position_embeddings = T`` for YaRN). Linear and
+YaRN are also shown after a short fine-tune at the longer length (``--finetune-steps``, as PI
+and YaRN prescribe), each on a copy of the trained model. A learned
 table has no rows past ``T``: those cells are reported as not applicable (``null`` in JSON).
 
 Writes ``extrapolation.json``, ``extrapolation.png`` and the model files into ``--out``.
@@ -13,7 +15,10 @@ Writes ``extrapolation.json``, ``extrapolation.png`` and the model files into ``
 from __future__ import annotations
 
 import argparse
+import copy
 import math
+
+import torch
 
 from ..scaling import NTK, Linear, YaRN
 from .charlm import save_model
@@ -37,6 +42,41 @@ ROPE_VARIANTS = {
     "rope+ntk": lambda factor, length: NTK(float(factor)),
     "rope+yarn": lambda factor, length: YaRN(float(factor), original_max_position_embeddings=length),
 }
+
+
+FINETUNED = {"rope+linear+ft": ROPE_VARIANTS["rope+linear"], "rope+yarn+ft": ROPE_VARIANTS["rope+yarn"]}
+
+
+def finetune_lengths(model, corpus, context: int, eval_tokens: int, steps: int, lr: float,
+                     seed: int) -> dict[str, list]:
+    """Rows for :data:`FINETUNED`: a copy of ``model`` fine-tuned ``steps`` steps per length with the rule on.
+
+    Each step sees ``16 // k`` windows of ``k * context + 1`` characters (the tokens of a training
+    step); the learning rate is constant. At ``k = 1`` the row is the model as trained.
+    """
+    table: dict[str, list] = {name: [] for name in FINETUNED}
+    for multiple in MULTIPLES:
+        length = context * multiple
+        windows = val_windows(corpus.val, length, max(eval_tokens, length))
+        for name, make_rule in FINETUNED.items():
+            tuned = copy.deepcopy(model)
+            if multiple > 1:
+                tuned.set_rope_scaling(make_rule(multiple, context))
+                generator = torch.Generator().manual_seed(seed + multiple)
+                optimizer = torch.optim.AdamW(tuned.parameters(), lr=lr, weight_decay=0.01)
+                offsets = torch.arange(length + 1)
+                tuned.train()
+                for _ in range(steps):
+                    starts = torch.randint(0, corpus.train.numel() - length - 1, (max(1, 16 // multiple),),
+                                           generator=generator)
+                    loss = tuned.loss(corpus.train[starts[:, None] + offsets])
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(tuned.parameters(), 1.0)
+                    optimizer.step()
+                tuned.eval()
+            table[name].append(evaluate(tuned, windows, batch=max(1, 16 // multiple)))
+    return table
 
 
 def evaluate_lengths(model, corpus, context: int, eval_tokens: int, variants: dict | None) -> dict[str, list]:
@@ -116,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
         runs.append(record)
         table.update(evaluate_lengths(model, corpus, sizes.context, sizes.eval_tokens,
                                       ROPE_VARIANTS if encoding == "rope" else None))
+        if encoding == "rope" and args.finetune_steps > 0:
+            table.update(finetune_lengths(model, corpus, sizes.context, sizes.eval_tokens, args.finetune_steps,
+                                          0.1 * sizes.lr, args.seed))
     summary = {
         "train_context": sizes.context,
         "multiples": list(MULTIPLES),
@@ -127,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         "corpus": {"source": corpus.source, "val_chars": corpus.val.numel()},
         "sizes": vars(sizes),
         "seed": args.seed,
+        "finetune_steps": args.finetune_steps,
     }
     write_json(out / "extrapolation.json", summary)
     title = f"trained at {sizes.context} chars ({args.attention} attention, {corpus.source}, seed {args.seed})"
@@ -153,6 +197,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--attention", choices=ATTENTIONS, default="softmax", help="attention (default softmax)")
     parser.add_argument("--out", metavar="DIR", default="ropekit-extrapolate", help="output directory (default "
                         "./ropekit-extrapolate)")
+    parser.add_argument("--finetune-steps", type=int, default=50, metavar="N",
+                        help="steps of the short fine-tune for Linear and YaRN at each longer length (0: none)")
     common_arguments(parser)
     parser.set_defaults(func=run)
     return parser
