@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ropekit import apply_reference, apply_rotary, base_inv_freq, cos_sin
+from ropekit import apply_reference, apply_rotary, backends, base_inv_freq, cos_sin
 from ropekit.backends import torch_eager
 
 LAYOUTS = ["half", "interleaved"]
@@ -323,3 +323,22 @@ def test_backward_float32_matches_float64():
         (apply_rotary(x, cos.to(dtype), sin.to(dtype)) * w.to(dtype)).sum().backward()
         grads.append(x.grad.double())
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "cpu"])
+def test_inplace_bumps_the_version_so_autograd_sees_the_change(backend):
+    """A tensor saved for a backward pass, then rotated in place: backward must refuse, as after
+    any in-place torch op (the native kernel writes through a raw pointer; the version is bumped
+    by hand)."""
+    if backend not in ("auto", *backends.available()):
+        pytest.skip(f"backend {backend} unavailable")
+    cos, sin = cos_sin(torch.arange(4), base_inv_freq(8))
+    for _ in range(2):  # the second call takes the decode fast path
+        w = torch.randn(2, 4, 8, requires_grad=True)
+        q = torch.randn(2, 4, 8)
+        loss = (q * w).sum()  # saves q for w's gradient
+        before = q._version
+        apply_rotary(q, cos, sin, inplace=True, backend=backend)
+        assert q._version > before
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()

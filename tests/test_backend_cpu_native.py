@@ -245,8 +245,8 @@ def portable_functions(tmp_path_factory):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_portable_build_matches_eager(portable_functions, dtype, layout):
     gen = torch.Generator().manual_seed(5)
-    saved = cpu_native._state["functions"]
-    cpu_native._state["functions"] = portable_functions
+    saved = cpu_native._state["functions"], cpu_native._state["pairs"]
+    cpu_native._state["functions"], cpu_native._state["pairs"] = portable_functions
     try:
         for half in (1, 7, 12, 16, 20, 33, 64):
             x = (torch.randn(3, 5, 2 * half + 2, generator=gen) * 100).to(dtype)
@@ -263,7 +263,7 @@ def test_portable_build_matches_eager(portable_functions, dtype, layout):
             assert_same(native(values, cos, sin, layout=layout),
                         torch_eager.rotate(values, cos, sin, layout=layout))
     finally:
-        cpu_native._state["functions"] = saved
+        cpu_native._state["functions"], cpu_native._state["pairs"] = saved
 
 
 def test_unsupported_inputs_fall_back_to_eager():
@@ -382,3 +382,106 @@ def test_library_is_cached(monkeypatch, tmp_path):
     assert cpu_native._build(compiler, ("-DROPEKIT_PORTABLE",)) == first
     assert first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+# -- rows sharing a table row (heads at decode) and q/k in one call ---------------------------------------
+def decode_case(dtype, layout, half, tail, heads, gen, batch=3):
+    """x of (batch, heads, 1, 2*half + tail) with tables (batch, 1, 1, half): every table row is
+    shared by ``heads`` rows, which the kernel takes four at a time."""
+    x = (torch.randn(batch, heads, 1, 2 * half + tail, generator=gen) * 4).to(dtype)
+    positions = torch.randint(0, 5000, (batch, 1, 1), generator=gen)
+    inv_freq = ropekit.inv_frequencies(2 * half)[0]
+    cos, sin = tables(positions, inv_freq, dtype)
+    return x, cos, sin, positions, inv_freq
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_sharing_a_table_row_match_eager_and_reference(dtype, layout):
+    gen = torch.Generator().manual_seed(11)
+    for half, tail, heads in [(4, 0, 4), (8, 0, 9), (16, 6, 7), (20, 2, 5), (64, 0, 32), (33, 0, 6)]:
+        x, cos, sin, positions, inv_freq = decode_case(dtype, layout, half, tail, heads, gen)
+        for conjugate in (False, True):
+            expected = torch_eager.rotate(x, cos, sin, layout=layout, conjugate=conjugate)
+            out = native(x, cos, sin, layout=layout, conjugate=conjugate)
+            assert_same(out, expected)
+            assert_same(native(x.clone(), cos, sin, layout=layout, conjugate=conjugate, inplace=True), expected)
+            assert_near_reference(out, x, positions, inv_freq, layout, conjugate)
+        # (b, s, h, d) storage seen as (b, h, s, d), and every other head of a larger tensor
+        wide = (torch.randn(3, 2 * heads, 1, 2 * half + tail, generator=gen) * 4).to(dtype)
+        for view in (x.transpose(1, 2).contiguous().transpose(1, 2), wide[:, ::2]):
+            assert_same(native(view, cos, sin, layout=layout), torch_eager.rotate(view, cos, sin, layout=layout))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_portable_build_rows_sharing_a_table_row(portable_functions, dtype, layout):
+    gen = torch.Generator().manual_seed(12)
+    saved = cpu_native._state["functions"], cpu_native._state["pairs"]
+    cpu_native._state["functions"], cpu_native._state["pairs"] = portable_functions
+    try:
+        for half, tail, heads in [(8, 0, 9), (16, 6, 7), (64, 0, 32)]:
+            x, cos, sin, _, _ = decode_case(dtype, layout, half, tail, heads, gen)
+            for conjugate in (False, True):
+                expected = torch_eager.rotate(x, cos, sin, layout=layout, conjugate=conjugate)
+                assert_same(native(x, cos, sin, layout=layout, conjugate=conjugate), expected)
+                assert_same(native(x.clone(), cos, sin, layout=layout, conjugate=conjugate, inplace=True), expected)
+    finally:
+        cpu_native._state["functions"], cpu_native._state["pairs"] = saved
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rotate_pair_equals_two_rotates(dtype, layout, inplace):
+    gen = torch.Generator().manual_seed(13)
+    for half, tail, q_heads, k_heads in [(64, 0, 32, 32), (64, 0, 32, 8), (16, 6, 7, 1), (8, 0, 4, 4)]:
+        q, cos, sin, _, _ = decode_case(dtype, layout, half, tail, q_heads, gen)
+        k = (torch.randn(3, k_heads, 1, 2 * half + tail, generator=gen) * 4).to(dtype)
+        for conjugate in (False, True):
+            expected = [torch_eager.rotate(t, cos, sin, layout=layout, conjugate=conjugate) for t in (q, k)]
+            q_in, k_in = q.clone(), k.clone()
+            cpu_native._pair_prepared.clear()
+            q_out, k_out = cpu_native.rotate_pair(q_in, k_in, cos, sin, cos, sin, layout=layout,
+                                                  conjugate=conjugate, inplace=inplace)
+            assert cpu_native._pair_prepared and all(plan is not None for plan in cpu_native._pair_prepared.values())
+            assert (q_out is q_in and k_out is k_in) == inplace
+            assert_same(q_out, expected[0])
+            assert_same(k_out, expected[1])
+
+
+def test_rotate_pair_falls_back_to_two_calls():
+    gen = torch.Generator().manual_seed(14)
+    cos, sin = ropekit.cos_sin(torch.arange(300), ropekit.inv_frequencies(64)[0])
+    cases = {
+        "large": (torch.randn(1, 8, 300, 64, generator=gen), torch.randn(1, 8, 300, 64, generator=gen)),
+        "dtypes differ": (torch.randn(2, 4, 300, 64, generator=gen),
+                          torch.randn(2, 4, 300, 64, generator=gen).to(torch.bfloat16)),
+        "empty k": (torch.randn(2, 4, 300, 64, generator=gen), torch.randn(2, 0, 300, 64, generator=gen)),
+        "strided channels": (torch.randn(1, 2, 300, 128, generator=gen)[..., ::2],
+                             torch.randn(1, 2, 300, 64, generator=gen)),
+    }
+    for name, (q, k) in cases.items():
+        cpu_native._pair_prepared.clear()
+        q_out, k_out = cpu_native.rotate_pair(q, k, cos, sin, cos, sin, layout="half")
+        assert list(cpu_native._pair_prepared.values()) == [None], name
+        assert_same(q_out, torch_eager.rotate(q, cos, sin, layout="half"))
+        assert_same(k_out, torch_eager.rotate(k, cos, sin, layout="half"))
+    converted = (cos.double(), sin.double())  # tables that would need converting
+    q, k = torch.randn(2, 3, 300, 64, generator=gen), torch.randn(2, 3, 300, 64, generator=gen)
+    cpu_native._pair_prepared.clear()
+    assert_same(cpu_native.rotate_pair(q, k, *converted, *converted, layout="half")[1],
+                torch_eager.rotate(k, *converted, layout="half"))
+    assert list(cpu_native._pair_prepared.values()) == [None]
+
+
+def test_pair_kernel_reports_bad_params():
+    cpu_native._load()
+    pair = cpu_native._state["pairs"][torch.float32]
+    x, c = torch.zeros(4, 8), torch.zeros(4, 4)
+    ok = array.array("q", [1, 4, 8, 0, 1, 1, 1, 1, 4, 8, 8, 4, 4])
+    bad = array.array("q", [1, 5, 8, 0, 1, 1, 1, 1, 4, 8, 8, 4, 4])  # rotary_dim > head_dim
+    ptrs = (x.data_ptr(), x.data_ptr(), c.data_ptr(), c.data_ptr())
+    assert pair(*ptrs, ok.buffer_info()[0], *ptrs, ok.buffer_info()[0]) == 0
+    assert pair(*ptrs, ok.buffer_info()[0], *ptrs, bad.buffer_info()[0]) == -1
+    assert pair(*ptrs, bad.buffer_info()[0], *ptrs, ok.buffer_info()[0]) == -1

@@ -9,7 +9,7 @@ from . import backends, scaling
 from .backends.reference import apply_reference, rotation_matrix
 from .config import RopeConfig
 from .frequencies import base_inv_freq, cos_sin, inv_frequencies, rotation_angles
-from .functional import apply_rotary
+from .functional import apply_rotary, apply_rotary_qk, rotate_qk
 from .layouts import channel_permutation, convert_layout, permute_qk_weight
 from .nn.rotary import RotaryEmbedding
 
@@ -20,6 +20,7 @@ __all__ = [
     "RotaryEmbedding",
     "apply_reference",
     "apply_rotary",
+    "apply_rotary_qk",
     "backends",
     "base_inv_freq",
     "channel_permutation",
@@ -27,6 +28,7 @@ __all__ = [
     "cos_sin",
     "inv_frequencies",
     "permute_qk_weight",
+    "rotate_qk",
     "rotation_angles",
     "rotation_matrix",
     "scaling",

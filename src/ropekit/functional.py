@@ -1,11 +1,42 @@
-"""``apply_rotary``: validate, pick a backend, rotate (out of place or in place) with autograd."""
+"""``apply_rotary``: validate, pick a backend, rotate (out of place or in place) with autograd.
+
+Decode fast path: a call whose signature (shapes, strides, dtypes and devices of every tensor,
+and the options) matches one that already passed every check, with no gradient to record,
+goes straight to the backend's prepared call (:func:`ropekit.backends.runner`). A decode loop
+repeats one signature, so all that remains per step is the kernel and a few attribute reads.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from . import backends
 from ._checks import check_float_tensor, check_layout
+
+_FAST_CACHE_SIZE = 256
+_fast_single: dict[tuple, Callable] = {}
+_fast_pair: dict[tuple, Callable] = {}
+
+
+def _remember(cache: dict[tuple, Callable], key: tuple | None, run: Callable | None) -> None:
+    if key is not None and run is not None:
+        if len(cache) >= _FAST_CACHE_SIZE:
+            cache.clear()
+        cache[key] = run
+
+
+def _signature(tensors: tuple, options: tuple) -> tuple | None:
+    """The fast-path key of plain CPU/GPU tensors, or None (subclasses, sparse, under compile)."""
+    if torch.compiler.is_compiling():
+        return None
+    key: list = []
+    for t in tensors:
+        if type(t) is not torch.Tensor or t.layout is not torch.strided:
+            return None
+        key += (t.shape, t.stride(), t.dtype, t.is_cpu)
+    return (*key, *options)
 
 
 def _expand_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +108,98 @@ class _Rotary(torch.autograd.Function):
         return grad_x, None, None, None, None, None
 
 
+class _RotaryPair(torch.autograd.Function):
+    """:class:`_Rotary` for q and k together (one kernel call each way)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos_q, sin_q, cos_k, sin_k, layout, inplace, pair):  # noqa: D102
+        q_out, k_out = pair(q, k, cos_q, sin_q, cos_k, sin_k, layout=layout, conjugate=False, inplace=inplace)
+        ctx.save_for_backward(cos_q, sin_q, cos_k, sin_k)
+        ctx.layout = layout
+        ctx.pair = pair
+        if inplace:
+            ctx.mark_dirty(q, k)
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):  # noqa: D102
+        cos_q, sin_q, cos_k, sin_k = ctx.saved_tensors
+        if torch.is_grad_enabled():  # double backward: see _Rotary.backward
+            grads = _RotaryPair.apply(grad_q, grad_k, cos_q, -sin_q, cos_k, -sin_k, ctx.layout, False, ctx.pair)
+        else:
+            grads = ctx.pair(grad_q, grad_k, cos_q, sin_q, cos_k, sin_k, layout=ctx.layout, conjugate=True,
+                             inplace=False)
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def apply_rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    layout: str = "half",
+    inplace: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rotary` for queries and keys sharing one pair of tables, in one kernel call.
+
+    What transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` does, with ropekit's
+    half-width tables. On the CPU a decode step (q and k together under 1 MiB) crosses into
+    the native kernel once instead of twice; larger inputs and other backends rotate q and k
+    one after the other. Results are those of two :func:`apply_rotary` calls, bit for bit.
+
+    Args:
+        q: queries of shape ``(..., head_dim)``, e.g. ``(batch, q_heads, seq, head_dim)``.
+        k: keys of shape ``(..., head_dim)`` with the same ``head_dim``; any head count
+            (GQA/MQA) as long as ``cos``/``sin`` broadcast against both.
+        cos, sin: half-width tables broadcastable to ``q.shape[:-1] + (rotary_dim // 2,)``
+            and to ``k.shape[:-1] + (rotary_dim // 2,)``, as for :func:`apply_rotary`.
+        layout: ``"half"`` or ``"interleaved"``.
+        inplace: rotate q and k themselves (they must be distinct tensors).
+        backend: ``"auto"`` or a name from :func:`ropekit.backends.available`.
+
+    Returns:
+        ``(q_rotated, k_rotated)`` with the shapes and dtypes of q and k.
+    """
+    if type(q) is type(k) is type(cos) is type(sin) is torch.Tensor and not torch.compiler.is_compiling():
+        try:
+            run = _fast_pair.get((q.shape, q.stride(), q.dtype, q.is_cpu, k.shape, k.stride(), k.dtype, k.is_cpu,
+                                  cos.shape, cos.stride(), cos.dtype, cos.is_cpu, sin.shape, sin.stride(), sin.dtype,
+                                  sin.is_cpu, layout, inplace, backend))
+        except (RuntimeError, TypeError):  # no strides (sparse), unhashable options
+            run = None
+        if run is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                 or cos.requires_grad or sin.requires_grad)):
+            return run(q, k, cos, sin)
+    check_float_tensor(q, "q")
+    check_float_tensor(k, "k")
+    check_layout(layout)
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
+    if q.dim() == 0 or k.dim() == 0 or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    if inplace and q is k:
+        raise ValueError("inplace=True needs distinct q and k tensors (the same tensor would be rotated twice)")
+    if not (q.is_cpu and k.is_cpu) and q.device != k.device:
+        raise ValueError(f"q is on {q.device} but k is on {k.device}")
+    key = _signature((q, k, cos, sin), (layout, inplace, backend))
+    cos_q, sin_q = _expand_tables(q, cos, sin)
+    cos_k, sin_k = (cos_q, sin_q) if k.shape[:-1] == q.shape[:-1] else _expand_tables(k, cos, sin)
+    grad = torch.is_grad_enabled()
+    if grad and (cos.requires_grad or sin.requires_grad):
+        return (apply_rotary(q, cos, sin, layout=layout, inplace=inplace, backend=backend),
+                apply_rotary(k, cos, sin, layout=layout, inplace=inplace, backend=backend))
+    rotate = backends.select(backend, q)
+    pair = backends.pair_of(rotate)
+    if grad and (q.requires_grad or k.requires_grad):
+        return _RotaryPair.apply(q, k, cos_q, sin_q, cos_k, sin_k, layout, inplace, pair)
+    if key is not None and cos_q.data_ptr() == cos.data_ptr() and sin_q.data_ptr() == sin.data_ptr():
+        _remember(_fast_pair, key, backends.pair_runner(rotate, q, k, cos_q, sin_q, cos_k, sin_k, layout=layout,
+                                                        inplace=inplace))
+    return pair(q, k, cos_q, sin_q, cos_k, sin_k, layout=layout, conjugate=False, inplace=inplace)
+
+
 def apply_rotary(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -113,10 +236,22 @@ def apply_rotary(
     activations). When ``cos``/``sin`` require grad (learned frequencies) a composite
     path is used that also differentiates the tables.
     """
+    if type(x) is type(cos) is type(sin) is torch.Tensor and not torch.compiler.is_compiling():
+        try:
+            run = _fast_single.get((x.shape, x.stride(), x.dtype, x.is_cpu, cos.shape, cos.stride(), cos.dtype,
+                                    cos.is_cpu, sin.shape, sin.stride(), sin.dtype, sin.is_cpu, layout, inplace,
+                                    backend))
+        except (RuntimeError, TypeError):  # no strides (sparse), unhashable options
+            run = None
+        if run is not None and not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad
+                                                                 or sin.requires_grad)):
+            return run(x, cos, sin)
     check_float_tensor(x, "x")
     check_layout(layout)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
+    key = _signature((x, cos, sin), (layout, inplace, backend))
+    tables = cos, sin
     cos, sin = _expand_tables(x, cos, sin)
     rotate = backends.select(backend, x)
     tables_need_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
@@ -129,4 +264,58 @@ def apply_rotary(
         return x.copy_(rotated)
     if torch.is_grad_enabled() and x.requires_grad:
         return _Rotary.apply(x, cos, sin, layout, inplace, rotate)
+    if key is not None and cos.data_ptr() == tables[0].data_ptr() and sin.data_ptr() == tables[1].data_ptr():
+        _remember(_fast_single, key, backends.runner(rotate, x, cos, sin, layout=layout, inplace=inplace))
     return rotate(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)
+
+
+def rotate_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    offsets: int | torch.Tensor = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    seq_dim: int,
+    layout: str = "half",
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by token position, looking each token's row up in the full tables.
+
+    The flash-attention / vLLM form: ``cos_table``/``sin_table`` are the whole
+    ``(max_positions, rotary_dim // 2)`` tables (e.g. :meth:`ropekit.RotaryEmbedding.tables`)
+    and the positions come from ``positions``, from ``offsets`` (an int, or one per sequence:
+    a KV cache's lengths), or from ``cu_seqlens`` for variable-length sequences packed into
+    ``(tokens, heads, head_dim)``. On CUDA this is one Triton launch for q and k with the
+    lookup inside the kernel; elsewhere the rows are gathered and the best kernel for the
+    device runs (the native one on the CPU). ``torch.compile(fullgraph=True)`` traces it.
+
+    Args:
+        q, k: ``(batch, seq, heads, head_dim)`` (``seq_dim=1``), ``(batch, heads, seq,
+            head_dim)`` (``seq_dim=2``), packed ``(tokens, heads, head_dim)`` (``seq_dim=0``);
+            any strides; ``k`` may have another head count (GQA/MQA).
+        cos_table, sin_table: float32 ``(max_positions, rotary_dim // 2)``.
+        positions: integer ``(seq,)`` or ``(batch, seq)``; with ``cu_seqlens``, ``(tokens,)``.
+        offsets: int, or integer ``(batch,)`` tensor (not with ``positions``).
+        cu_seqlens: integer ``(batch + 1,)`` sequence boundaries in packed q/k.
+        max_seqlen: longest packed sequence (computed when omitted).
+        seq_dim: the sequence (or packed token) axis.
+        layout: ``"half"`` or ``"interleaved"``.
+        inplace: rotate q and k themselves.
+
+    Returns:
+        ``(q_rotated, k_rotated)``; gradients reach q and k (not the tables).
+
+    Raises:
+        ValueError: bad shapes, or positions outside the tables (checked before the kernel runs).
+
+    See :func:`ropekit.backends.triton_api.rotate_qk` for the details.
+    """
+    from .backends import triton_api  # imports triton when installed (a fraction of a second, once)
+
+    return triton_api.rotate_qk(q, k, cos_table, sin_table, positions=positions, offsets=offsets,
+                                cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seq_dim=seq_dim, layout=layout,
+                                inplace=inplace)

@@ -24,8 +24,10 @@ import torch
 from . import cpu_native, torch_eager
 
 RotateFn = Callable[..., torch.Tensor]
+PairFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 _BACKENDS: dict[str, RotateFn] = {"torch": torch_eager.rotate}
+_PAIRS: dict[RotateFn, PairFn] = {}
 
 
 def _triton_rotate() -> RotateFn | None:
@@ -60,6 +62,45 @@ def available() -> list[str]:
 def register(name: str, rotate: RotateFn) -> None:
     """Make ``rotate`` selectable as ``backend=name``."""
     _BACKENDS[name] = rotate
+
+
+def pair_of(rotate: RotateFn) -> PairFn:
+    """The q-and-k form of a backend's ``rotate``: its fused one when it has one, else two calls.
+
+    A pair function is called as ``pair(q, k, cos_q, sin_q, cos_k, sin_k, *, layout,
+    conjugate, inplace)`` and returns ``(q_out, k_out)`` (see :func:`.cpu_native.rotate_pair`).
+    """
+    if rotate is cpu_native.rotate:
+        return cpu_native.rotate_pair
+    cached = _PAIRS.get(rotate)
+    if cached is not None:
+        return cached
+
+    def pair(q, k, cos_q, sin_q, cos_k, sin_k, *, layout, conjugate=False, inplace=False):
+        return (rotate(q, cos_q, sin_q, layout=layout, conjugate=conjugate, inplace=inplace),
+                rotate(k, cos_k, sin_k, layout=layout, conjugate=conjugate, inplace=inplace))
+
+    _PAIRS[rotate] = pair
+    return pair
+
+
+def runner(rotate: RotateFn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, layout: str,
+           inplace: bool) -> Callable[..., torch.Tensor] | None:
+    """A prepared ``run(x, cos, sin)`` of ``rotate`` for this signature, when the backend has one.
+
+    Only the native CPU kernel has (small tensors; see :func:`.cpu_native.runner`).
+    """
+    if rotate is cpu_native.rotate:
+        return cpu_native.runner(x, cos, sin, layout=layout, inplace=inplace)
+    return None
+
+
+def pair_runner(rotate: RotateFn, q, k, cos_q, sin_q, cos_k, sin_k, *, layout: str,
+                inplace: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """:func:`runner` for q and k (see :func:`.cpu_native.pair_runner`)."""
+    if rotate is cpu_native.rotate:
+        return cpu_native.pair_runner(q, k, cos_q, sin_q, cos_k, sin_k, layout=layout, inplace=inplace)
+    return None
 
 
 def select(backend: str, x: torch.Tensor) -> RotateFn:

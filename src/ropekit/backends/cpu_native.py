@@ -37,10 +37,12 @@ import sys
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from torch.autograd.graph import increment_version
 
 from . import torch_eager
 
@@ -67,10 +69,11 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", t
 _FLAG_INTERLEAVED, _FLAG_CONJUGATE, _FLAG_COPY_TAIL = 1, 2, 4
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "functions": {dtype: fn} once loaded, "error": str once failed
+_state: dict[str, object] = {}  # "functions"/"pairs": {dtype: fn} once loaded, "error": str once failed
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
 _prepared: dict[tuple, tuple] = {}  # rotate's parameter cache, see there
+_pair_prepared: dict[tuple, tuple | None] = {}  # rotate_pair's, see there
 
 
 def cache_dir() -> Path:
@@ -153,7 +156,7 @@ def _load() -> dict[torch.dtype, object]:
             return _state["functions"]  # type: ignore[return-value]
         if "error" not in _state:
             try:
-                _state["functions"] = _open_library()
+                _state["functions"], _state["pairs"] = _open_library()
                 return _state["functions"]  # type: ignore[return-value]
             except Exception as exc:  # noqa: BLE001 - any failure means "not available"
                 _state["error"] = f"{type(exc).__name__}: {exc}"
@@ -165,9 +168,10 @@ def _load() -> dict[torch.dtype, object]:
         raise RuntimeError(f"ropekit native CPU backend unavailable: {_state['error']}")
 
 
-def _open_library(extra_flags: tuple[str, ...] = ()) -> dict[torch.dtype, object]:
+def _open_library(extra_flags: tuple[str, ...] = ()) -> tuple[dict[torch.dtype, object], dict[torch.dtype, object]]:
     """Build (or find in the cache) and load the library; its functions by dtype.
 
+    Returns ``(functions, pairs)``: ``ropekit_rotate_<t>`` and ``ropekit_rotate_pair_<t>``.
     ``extra_flags`` go to the compiler after the defaults (tests build ``-DROPEKIT_PORTABLE``).
     """
     if os.environ.get("ROPEKIT_DISABLE_NATIVE", "") not in ("", "0"):
@@ -181,13 +185,17 @@ def _open_library(extra_flags: tuple[str, ...] = ()) -> dict[torch.dtype, object
     if compiler is None:
         raise RuntimeError("no C compiler found (set ROPEKIT_CC or CC, or install cc/gcc/clang)")
     library = ctypes.CDLL(str(_build(compiler, extra_flags)))
-    functions = {}
+    functions, pairs = {}, {}
     for dtype, suffix in _SUFFIX.items():
         fn = getattr(library, f"ropekit_rotate_{suffix}")
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64]
         fn.restype = ctypes.c_int
         functions[dtype] = fn
-    return functions
+        pair = getattr(library, f"ropekit_rotate_pair_{suffix}")
+        pair.argtypes = [ctypes.c_void_p] * 10
+        pair.restype = ctypes.c_int
+        pairs[dtype] = pair
+    return functions, pairs
 
 
 def is_available() -> bool:
@@ -368,7 +376,147 @@ def rotate(
     status = fn(*args, 0, rows) if nbytes < PARALLEL_MIN_BYTES else _call_threaded(fn, args, rows)
     if status != 0:
         raise RuntimeError(f"ropekit native kernel rejected its arguments (status {status}); this is a bug")
+    if inplace:  # what torch's own in-place ops do: autograd then sees that x changed
+        increment_version(x)
     return out
+
+
+def rotate_pair(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_q: torch.Tensor,
+    sin_q: torch.Tensor,
+    cos_k: torch.Tensor,
+    sin_k: torch.Tensor,
+    *,
+    layout: str,
+    conjugate: bool = False,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotate` for q (with ``cos_q``/``sin_q``) and k (with ``cos_k``/``sin_k``) at once.
+
+    Small pairs (a decode step: together under ``PARALLEL_MIN_BYTES``) of one dtype go to the
+    kernel in a single call, which halves the fixed cost of crossing into C; the parameters of
+    each shape are prepared once and cached. Anything else is two :func:`rotate` calls.
+
+    Returns:
+        ``(q_out, k_out)``: q and k themselves in place, else new tensors.
+    """
+    pairs = _state.get("pairs")
+    if pairs is None:
+        _load()
+        pairs = _state["pairs"]
+    if not (q.layout is k.layout is cos_q.layout is sin_q.layout is cos_k.layout is sin_k.layout is torch.strided):
+        return (rotate(q, cos_q, sin_q, layout=layout, conjugate=conjugate, inplace=inplace),
+                rotate(k, cos_k, sin_k, layout=layout, conjugate=conjugate, inplace=inplace))
+    key = (q.dtype, q.shape, q.stride(), q.is_cpu, k.dtype, k.shape, k.stride(), k.is_cpu,
+           cos_q.dtype, cos_q.shape, cos_q.stride(), cos_q.is_cpu, sin_q.dtype, sin_q.stride(), sin_q.is_cpu,
+           cos_k.dtype, cos_k.shape, cos_k.stride(), cos_k.is_cpu, sin_k.dtype, sin_k.stride(), sin_k.is_cpu,
+           layout, conjugate, inplace, PARALLEL_MIN_BYTES, PLAN_MIN_BYTES, STREAMS)
+    plan = _pair_prepared.get(key, False)
+    if plan is False:
+        plan = _prepare_pair(q, k, cos_q, sin_q, cos_k, sin_k, layout, conjugate, inplace)
+        if len(_pair_prepared) >= 256:
+            _pair_prepared.clear()
+        _pair_prepared[key] = plan
+    if plan is None:
+        return (rotate(q, cos_q, sin_q, layout=layout, conjugate=conjugate, inplace=inplace),
+                rotate(k, cos_k, sin_k, layout=layout, conjugate=conjugate, inplace=inplace))
+    q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
+    status = pairs[q.dtype](q.data_ptr(), q_out.data_ptr(), cos_q.data_ptr(), sin_q.data_ptr(), plan[0],  # type: ignore[index]
+                            k.data_ptr(), k_out.data_ptr(), cos_k.data_ptr(), sin_k.data_ptr(), plan[1])
+    if status != 0:
+        raise RuntimeError(f"ropekit native kernel rejected its arguments (status {status}); this is a bug")
+    if inplace:
+        increment_version((q, k))
+    return q_out, k_out
+
+
+def runner(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, layout: str, inplace: bool
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """A prepared call ``run(x, cos, sin)`` for tensors shaped and strided like these, or None.
+
+    ``run`` skips every check and the parameter lookup: the caller (``apply_rotary``'s decode
+    fast path) vouches that its arguments have exactly the shapes, strides, dtypes and devices
+    of the ones given here, with ``cos``/``sin`` possibly viewed with fewer leading dims (the
+    same memory). None unless ``x`` is small (one thread), native, and the tables need no
+    conversion.
+    """
+    if x.numel() * x.element_size() >= PARALLEL_MIN_BYTES:
+        return None
+    prepared = _prepare(x, cos, sin, layout, False, inplace)
+    if prepared is None or prepared[3] is not cos or prepared[4] is not sin:
+        return None
+    fn, params = _load()[x.dtype], prepared[0]
+    address, rows = params.buffer_info()[0], prepared[1]
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, params=params) -> torch.Tensor:
+        out = x if inplace else torch.empty_like(x)
+        if fn(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), address, 0, rows) != 0:
+            raise RuntimeError("ropekit native kernel rejected its arguments; this is a bug")
+        if inplace:
+            increment_version(x)
+        return out
+
+    return run
+
+
+def pair_runner(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_q: torch.Tensor,
+    sin_q: torch.Tensor,
+    cos_k: torch.Tensor,
+    sin_k: torch.Tensor,
+    *,
+    layout: str,
+    inplace: bool,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """:func:`runner` for q and k: ``run(q, k, cos, sin)`` makes one native call, or None.
+
+    ``cos_k``/``sin_k`` must be views of the memory of ``cos_q``/``sin_q`` (``run`` reads one
+    address per table).
+    """
+    if cos_k.data_ptr() != cos_q.data_ptr() or sin_k.data_ptr() != sin_q.data_ptr():
+        return None
+    plan = _prepare_pair(q, k, cos_q, sin_q, cos_k, sin_k, layout, False, inplace)
+    if plan is None:
+        return None
+    _load()
+    fn, address_q, address_k = _state["pairs"][q.dtype], plan[0], plan[1]  # type: ignore[index]
+
+    def run(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan=plan):
+        q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
+        c, s = cos.data_ptr(), sin.data_ptr()
+        if fn(q.data_ptr(), q_out.data_ptr(), c, s, address_q, k.data_ptr(), k_out.data_ptr(), c, s, address_k) != 0:
+            raise RuntimeError("ropekit native kernel rejected its arguments; this is a bug")
+        if inplace:
+            increment_version((q, k))
+        return q_out, k_out
+
+    return run
+
+
+def _prepare_pair(q, k, cos_q, sin_q, cos_k, sin_k, layout, conjugate, inplace) -> tuple | None:
+    """The two parameter blocks' addresses (and the arrays, kept alive), or None: use two calls.
+
+    None when the dtypes differ, a tensor is empty or not for the kernel, a table would need
+    converting, or the pair is large enough for :func:`rotate`'s threads.
+    """
+    if q.dtype is not k.dtype or q.dtype not in _SUFFIX or q.numel() == 0 or k.numel() == 0:
+        return None
+    if (q.numel() + k.numel()) * q.element_size() >= PARALLEL_MIN_BYTES:
+        return None
+    prepared_q = _prepare(q, cos_q, sin_q, layout, conjugate, inplace)
+    prepared_k = _prepare(k, cos_k, sin_k, layout, conjugate, inplace)
+    if prepared_q is None or prepared_k is None:
+        return None
+    converted = prepared_q[3] is not cos_q or prepared_q[4] is not sin_q
+    if converted or prepared_k[3] is not cos_k or prepared_k[4] is not sin_k:
+        return None
+    params_q, params_k = prepared_q[0], prepared_k[0]
+    return params_q.buffer_info()[0], params_k.buffer_info()[0], params_q, params_k
 
 
 def _prepare(

@@ -9,8 +9,9 @@ Both go through custom ops (``ropekit::triton_rotary[_]``, ``ropekit::triton_rot
 the trailing underscore mutates its inputs) with fake implementations and autograd
 (the gradient is the same kernel rotating by ``-theta``), so ``torch.compile(fullgraph=True)``
 traces each as one node. The ops run the Triton kernel on CUDA tensors, or on any device
-under ``TRITON_INTERPRET=1``; otherwise, and for float64, they run the eager torch kernel
-(:mod:`ropekit.backends.torch_eager`), which computes the same thing.
+under ``TRITON_INTERPRET=1``; otherwise, and for float64, they gather the table rows and run
+the native CPU kernel (:mod:`ropekit.backends.cpu_native`) on CPU tensors, else the eager
+torch kernel (:mod:`ropekit.backends.torch_eager`): all compute the same thing.
 
 Shape checks happen in the Python wrappers (traceable); checks that need the values
 (positions inside the tables, ``cu_seqlens`` consistent) happen inside the op, before launch.
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_float_tensor, check_layout
-from . import torch_eager
+from . import cpu_native, pair_of, torch_eager
 from . import triton_rotary as kern
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -240,10 +241,11 @@ def _rotate_qk_any(q, k, cos, sin, positions, offsets, offset, cu_seqlens, max_s
                    conjugate, inplace):
     """Check the values, then run the kernel (or the eager fallback); returns ``(q_out, k_out)``."""
     longest = _check_values(q, cos, positions, offsets, offset, cu_seqlens, max_seqlen, seq_dim)
-    if not _use_kernel(q, 2 * cos.shape[1]):
+    if not _use_kernel(q, 2 * cos.shape[1]):  # gather the rows, then the best kernel for the device
         pos = _eager_positions(q, positions, offsets, offset, cu_seqlens, seq_dim)
         c, s = cos[pos], sin[pos]
-        return tuple(torch_eager.rotate(t, c, s, layout=layout, conjugate=conjugate, inplace=inplace) for t in (q, k))
+        rotate = cpu_native.rotate if q.is_cpu and cpu_native.is_available() else torch_eager.rotate
+        return pair_of(rotate)(q, k, c, s, c, s, layout=layout, conjugate=conjugate, inplace=inplace)
     q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
     if q.numel() + k.numel():
         kern.launch_rotate_qk(q, k, q_out, k_out, cos, sin, positions, offsets, offset, cu_seqlens,

@@ -31,6 +31,13 @@
  *   Returns 0, or -1 when params are out of range (nothing is written then). The caller
  *   guarantees that every row it describes lies inside its tensors: there are no bounds checks.
  *
+ *   int ropekit_rotate_pair_<t>(void *x, void *out, const void *cos, const void *sin,
+ *                               const int64_t *params, void *y, void *yout,
+ *                               const void *ycos, const void *ysin, const int64_t *yparams);
+ *
+ *   rotates every row of x and then every row of y (q and k) in one call: a decode step
+ *   pays the cost of crossing from Python once. Returns the first non-zero status.
+ *
  * Loops are plain C written for gcc/clang -O3 auto-vectorisation (contiguous runs x[i], x[i+h]
  * for "half", stride-2 pairs for "interleaved"), except the bf16/fp16 inner loops on x86, which
  * use AVX2/F16C intrinsics when the compiler targets them (see below).
@@ -128,52 +135,57 @@ static inline __m256 sign_mask(int conj) {
    order [0-3, 8-11] and [4-7, 12-15]; the tables are permuted alike, and packus_epi32 of the
    two results restores the natural order. */
 static int64_t bf16_half_simd(const uint16_t *xlo, const uint16_t *xhi, uint16_t *olo, uint16_t *ohi,
-                              const float *c, const float *s, int64_t h, int conj) {
+                              const float *c, const float *s, int64_t h, int conj,
+                              int nr, int64_t xs, int64_t os) {
     const __m256i zero = _mm256_setzero_si256();
     const __m256 neg = sign_mask(conj);
     int64_t i = 0;
     for (; i + 16 <= h; i += 16) {
-        __m256i l = _mm256_loadu_si256((const __m256i *)(xlo + i));
-        __m256i u = _mm256_loadu_si256((const __m256i *)(xhi + i));
-        __m256 a0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, l));
-        __m256 a1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, l));
-        __m256 b0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, u));
-        __m256 b1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, u));
         __m256 c0 = _mm256_loadu_ps(c + i), c1 = _mm256_loadu_ps(c + i + 8);
         __m256 s0 = _mm256_xor_ps(_mm256_loadu_ps(s + i), neg);
         __m256 s1 = _mm256_xor_ps(_mm256_loadu_ps(s + i + 8), neg);
         __m256 cA = _mm256_permute2f128_ps(c0, c1, 0x20), cB = _mm256_permute2f128_ps(c0, c1, 0x31);
         __m256 sA = _mm256_permute2f128_ps(s0, s1, 0x20), sB = _mm256_permute2f128_ps(s0, s1, 0x31);
+        for (int r = 0; r < nr; r++) {
+        __m256i l = _mm256_loadu_si256((const __m256i *)(xlo + r * xs + i));
+        __m256i u = _mm256_loadu_si256((const __m256i *)(xhi + r * xs + i));
+        __m256 a0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, l));
+        __m256 a1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, l));
+        __m256 b0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, u));
+        __m256 b1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, u));
         __m256 y1A = _mm256_sub_ps(_mm256_mul_ps(a0, cA), _mm256_mul_ps(b0, sA));
         __m256 y1B = _mm256_sub_ps(_mm256_mul_ps(a1, cB), _mm256_mul_ps(b1, sB));
         __m256 y2A = _mm256_add_ps(_mm256_mul_ps(b0, cA), _mm256_mul_ps(a0, sA));
         __m256 y2B = _mm256_add_ps(_mm256_mul_ps(b1, cB), _mm256_mul_ps(a1, sB));
-        _mm256_storeu_si256((__m256i *)(olo + i),
+        _mm256_storeu_si256((__m256i *)(olo + r * os + i),
                             _mm256_packus_epi32(_mm256_srli_epi32(bf16_round_hi(y1A), 16),
                                                 _mm256_srli_epi32(bf16_round_hi(y1B), 16)));
-        _mm256_storeu_si256((__m256i *)(ohi + i),
+        _mm256_storeu_si256((__m256i *)(ohi + r * os + i),
                             _mm256_packus_epi32(_mm256_srli_epi32(bf16_round_hi(y2A), 16),
                                                 _mm256_srli_epi32(bf16_round_hi(y2B), 16)));
+        }
     }
     return i;
 }
 
 /* "interleaved": 8 pairs per step; a pair is one 32-bit lane, x1 its low half, x2 its high. */
 static int64_t bf16_inter_simd(const uint16_t *x, uint16_t *o, const float *c, const float *s,
-                               int64_t h, int conj) {
+                               int64_t h, int conj, int nr, int64_t xs, int64_t os) {
     const __m256i high = _mm256_set1_epi32((int32_t)0xFFFF0000u);
     const __m256 neg = sign_mask(conj);
     int64_t i = 0;
     for (; i + 8 <= h; i += 8) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(x + 2 * i));
+        __m256 cc = _mm256_loadu_ps(c + i), ss = _mm256_xor_ps(_mm256_loadu_ps(s + i), neg);
+        for (int r = 0; r < nr; r++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(x + r * xs + 2 * i));
         __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
         __m256 b = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        __m256 cc = _mm256_loadu_ps(c + i), ss = _mm256_xor_ps(_mm256_loadu_ps(s + i), neg);
         __m256 y1 = _mm256_sub_ps(_mm256_mul_ps(a, cc), _mm256_mul_ps(b, ss));
         __m256 y2 = _mm256_add_ps(_mm256_mul_ps(b, cc), _mm256_mul_ps(a, ss));
-        __m256i r = _mm256_or_si256(_mm256_srli_epi32(bf16_round_hi(y1), 16),
+        __m256i packed = _mm256_or_si256(_mm256_srli_epi32(bf16_round_hi(y1), 16),
                                     _mm256_and_si256(bf16_round_hi(y2), high));
-        _mm256_storeu_si256((__m256i *)(o + 2 * i), r);
+        _mm256_storeu_si256((__m256i *)(o + r * os + 2 * i), packed);
+        }
     }
     return i;
 }
@@ -181,17 +193,20 @@ static int64_t bf16_inter_simd(const uint16_t *x, uint16_t *o, const float *c, c
 #define F16_ROUND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 static int64_t f16_half_simd(const uint16_t *xlo, const uint16_t *xhi, uint16_t *olo, uint16_t *ohi,
-                             const float *c, const float *s, int64_t h, int conj) {
+                             const float *c, const float *s, int64_t h, int conj,
+                             int nr, int64_t xs, int64_t os) {
     const __m256 neg = sign_mask(conj);
     int64_t i = 0;
     for (; i + 8 <= h; i += 8) {
-        __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(xlo + i)));
-        __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(xhi + i)));
         __m256 cc = _mm256_loadu_ps(c + i), ss = _mm256_xor_ps(_mm256_loadu_ps(s + i), neg);
+        for (int r = 0; r < nr; r++) {
+        __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(xlo + r * xs + i)));
+        __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(xhi + r * xs + i)));
         __m256 y1 = _mm256_sub_ps(_mm256_mul_ps(a, cc), _mm256_mul_ps(b, ss));
         __m256 y2 = _mm256_add_ps(_mm256_mul_ps(b, cc), _mm256_mul_ps(a, ss));
-        _mm_storeu_si128((__m128i *)(olo + i), _mm256_cvtps_ph(y1, F16_ROUND));
-        _mm_storeu_si128((__m128i *)(ohi + i), _mm256_cvtps_ph(y2, F16_ROUND));
+        _mm_storeu_si128((__m128i *)(olo + r * os + i), _mm256_cvtps_ph(y1, F16_ROUND));
+        _mm_storeu_si128((__m128i *)(ohi + r * os + i), _mm256_cvtps_ph(y2, F16_ROUND));
+        }
     }
     return i;
 }
@@ -199,20 +214,77 @@ static int64_t f16_half_simd(const uint16_t *xlo, const uint16_t *xhi, uint16_t 
 /* shuffle_ps splits 16 floats into pair members in the order [0,1,4,5, 2,3,6,7];
    permute4x64 puts the tables in that order and unpack{lo,hi}_ps undoes it. */
 static int64_t f16_inter_simd(const uint16_t *x, uint16_t *o, const float *c, const float *s,
-                              int64_t h, int conj) {
+                              int64_t h, int conj, int nr, int64_t xs, int64_t os) {
     const __m256 neg = sign_mask(conj);
     int64_t i = 0;
     for (; i + 8 <= h; i += 8) {
-        __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + 2 * i)));
-        __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + 2 * i + 8)));
-        __m256 a = _mm256_shuffle_ps(v0, v1, 0x88), b = _mm256_shuffle_ps(v0, v1, 0xDD);
         __m256 cc = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_loadu_ps(c + i)), 0xD8));
         __m256 ss = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_loadu_ps(s + i)), 0xD8));
         ss = _mm256_xor_ps(ss, neg);
+        for (int r = 0; r < nr; r++) {
+        const uint16_t *xr = x + r * xs;
+        uint16_t *orow = o + r * os;
+        __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(xr + 2 * i)));
+        __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(xr + 2 * i + 8)));
+        __m256 a = _mm256_shuffle_ps(v0, v1, 0x88), b = _mm256_shuffle_ps(v0, v1, 0xDD);
         __m256 y1 = _mm256_sub_ps(_mm256_mul_ps(a, cc), _mm256_mul_ps(b, ss));
         __m256 y2 = _mm256_add_ps(_mm256_mul_ps(b, cc), _mm256_mul_ps(a, ss));
-        _mm_storeu_si128((__m128i *)(o + 2 * i), _mm256_cvtps_ph(_mm256_unpacklo_ps(y1, y2), F16_ROUND));
-        _mm_storeu_si128((__m128i *)(o + 2 * i + 8), _mm256_cvtps_ph(_mm256_unpackhi_ps(y1, y2), F16_ROUND));
+        _mm_storeu_si128((__m128i *)(orow + 2 * i), _mm256_cvtps_ph(_mm256_unpacklo_ps(y1, y2), F16_ROUND));
+        _mm_storeu_si128((__m128i *)(orow + 2 * i + 8), _mm256_cvtps_ph(_mm256_unpackhi_ps(y1, y2), F16_ROUND));
+        }
+    }
+    return i;
+}
+/* float32 "half": 8 pairs per step, the plain loop's arithmetic written out so that each
+   element is loaded once (gcc's own vectorisation of the loop reloads x after storing out). */
+static int64_t f32_half_simd(const float *xlo, const float *xhi, float *olo, float *ohi,
+                             const float *c, const float *s, int64_t h, int conj,
+                             int nr, int64_t xs, int64_t os) {
+    const __m256 neg = sign_mask(conj);
+    int64_t i = 0;
+    if (nr == 1) { /* one row: its own loop, without the row loop's bookkeeping */
+        for (; i + 8 <= h; i += 8) {
+            __m256 cc = _mm256_loadu_ps(c + i), ss = _mm256_xor_ps(_mm256_loadu_ps(s + i), neg);
+            __m256 a = _mm256_loadu_ps(xlo + i), b = _mm256_loadu_ps(xhi + i);
+            _mm256_storeu_ps(olo + i, _mm256_sub_ps(_mm256_mul_ps(a, cc), _mm256_mul_ps(b, ss)));
+            _mm256_storeu_ps(ohi + i, _mm256_add_ps(_mm256_mul_ps(b, cc), _mm256_mul_ps(a, ss)));
+        }
+        return i;
+    }
+    for (; i + 8 <= h; i += 8) {
+        __m256 cc = _mm256_loadu_ps(c + i), ss = _mm256_xor_ps(_mm256_loadu_ps(s + i), neg);
+        for (int r = 0; r < nr; r++) {
+            __m256 a = _mm256_loadu_ps(xlo + r * xs + i), b = _mm256_loadu_ps(xhi + r * xs + i);
+            _mm256_storeu_ps(olo + r * os + i, _mm256_sub_ps(_mm256_mul_ps(a, cc), _mm256_mul_ps(b, ss)));
+            _mm256_storeu_ps(ohi + r * os + i, _mm256_add_ps(_mm256_mul_ps(b, cc), _mm256_mul_ps(a, ss)));
+        }
+    }
+    return i;
+}
+
+/* float32 "interleaved": 8 pairs (16 floats) per step. y = x * c' + swap(x) * s' where swap
+   exchanges each pair's members, c' repeats every cos twice and s' is (-s, s) per pair: the
+   same products and the same rounding as y1 = x1 c - x2 s, y2 = x2 c + x1 s (x + (-y) == x - y). */
+static int64_t f32_inter_simd(const float *x, float *o, const float *c, const float *s,
+                              int64_t h, int conj, int nr, int64_t xs, int64_t os) {
+    const __m256i lo_idx = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    const __m256i hi_idx = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    const __m256 alt = _mm256_castsi256_ps(_mm256_setr_epi32(INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0));
+    const __m256 neg = _mm256_xor_ps(alt, sign_mask(conj));
+    int64_t i = 0;
+    for (; i + 8 <= h; i += 8) {
+        __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+        __m256 c0 = _mm256_permutevar8x32_ps(cv, lo_idx), c1 = _mm256_permutevar8x32_ps(cv, hi_idx);
+        __m256 s0 = _mm256_xor_ps(_mm256_permutevar8x32_ps(sv, lo_idx), neg);
+        __m256 s1 = _mm256_xor_ps(_mm256_permutevar8x32_ps(sv, hi_idx), neg);
+        for (int r = 0; r < nr; r++) {
+            const float *xr = x + r * xs + 2 * i;
+            float *orow = o + r * os + 2 * i;
+            __m256 v0 = _mm256_loadu_ps(xr), v1 = _mm256_loadu_ps(xr + 8);
+            __m256 w0 = _mm256_permute_ps(v0, 0xB1), w1 = _mm256_permute_ps(v1, 0xB1);
+            _mm256_storeu_ps(orow, _mm256_add_ps(_mm256_mul_ps(v0, c0), _mm256_mul_ps(w0, s0)));
+            _mm256_storeu_ps(orow + 8, _mm256_add_ps(_mm256_mul_ps(v1, c1), _mm256_mul_ps(w1, s1)));
+        }
     }
     return i;
 }
@@ -221,59 +293,143 @@ static int64_t f16_inter_simd(const uint16_t *x, uint16_t *o, const float *c, co
 #endif
 
 /* Hooks the row kernels call first; no SIMD version -> 0 pairs done. */
-#define ROPEKIT_NO_SIMD(NAME, T, CT)                                                          \
+#define ROPEKIT_NO_SIMD_HALF(NAME, T, CT)                                                     \
 static inline int64_t NAME##_half_simd(const T *xlo, const T *xhi, T *olo, T *ohi,            \
-                                       const CT *c, const CT *s, int64_t h, int conj) {       \
+                                       const CT *c, const CT *s, int64_t h, int conj,         \
+                                       int nr, int64_t xs, int64_t os) {                      \
     (void)xlo; (void)xhi; (void)olo; (void)ohi; (void)c; (void)s; (void)h; (void)conj;        \
-    return 0;                                                                                 \
-}                                                                                             \
-static inline int64_t NAME##_inter_simd(const T *x, T *o, const CT *c, const CT *s,           \
-                                        int64_t h, int conj) {                                \
-    (void)x; (void)o; (void)c; (void)s; (void)h; (void)conj;                                  \
+    (void)nr; (void)xs; (void)os;                                                             \
     return 0;                                                                                 \
 }
-ROPEKIT_NO_SIMD(f32, float, float)
-ROPEKIT_NO_SIMD(f64, double, double)
+#define ROPEKIT_NO_SIMD_INTER(NAME, T, CT)                                                    \
+static inline int64_t NAME##_inter_simd(const T *x, T *o, const CT *c, const CT *s,           \
+                                        int64_t h, int conj, int nr, int64_t xs, int64_t os) { \
+    (void)x; (void)o; (void)c; (void)s; (void)h; (void)conj; (void)nr; (void)xs; (void)os;    \
+    return 0;                                                                                 \
+}
+/* float64 runs the plain C loops (vectorised by the compiler). */
+ROPEKIT_NO_SIMD_HALF(f64, double, double)
+ROPEKIT_NO_SIMD_INTER(f64, double, double)
 #if !ROPEKIT_SIMD
-ROPEKIT_NO_SIMD(bf16, uint16_t, float)
-ROPEKIT_NO_SIMD(f16, uint16_t, float)
+ROPEKIT_NO_SIMD_HALF(f32, float, float)
+ROPEKIT_NO_SIMD_INTER(f32, float, float)
+ROPEKIT_NO_SIMD_HALF(bf16, uint16_t, float)
+ROPEKIT_NO_SIMD_INTER(bf16, uint16_t, float)
+ROPEKIT_NO_SIMD_HALF(f16, uint16_t, float)
+ROPEKIT_NO_SIMD_INTER(f16, uint16_t, float)
 #endif
 
 /* ---- row kernels: one head vector; sg is +1 or -1 (exact), folding the conjugate flag ----
 
    The in-place kernels take the row as two restrict pointers to disjoint parts (halves, or the
-   even/odd channels' common base for "interleaved"), so the compiler needs no aliasing checks. */
+   even/odd channels' common base for "interleaved"), so the compiler needs no aliasing checks.
+   The "4" kernels rotate four rows that share one table row (cos/sin broadcast over heads, as
+   at decode): each table element is loaded once for the four, which leaves the loop bound by
+   the rows' own loads and stores, like a plain pass over memory. */
+#define ROPEKIT_ROT(NAME, CT, A, B, OA, OB)                                                   \
+    do {                                                                                      \
+        CT a_ = NAME##_load(A), b_ = NAME##_load(B);                                          \
+        OA = NAME##_store(a_ * cc - b_ * ss);                                                 \
+        OB = NAME##_store(b_ * cc + a_ * ss);                                                 \
+    } while (0)
+
 #define ROPEKIT_ROW_KERNELS(NAME, T, CT)                                                      \
 static void NAME##_half_inplace(T *restrict lo, T *restrict hi, const CT *restrict c,         \
                                 const CT *restrict s, int64_t h, CT sg) {                     \
-    for (int64_t i = NAME##_half_simd(lo, hi, lo, hi, c, s, h, sg < 0); i < h; i++) {         \
-        CT a = NAME##_load(lo[i]), b = NAME##_load(hi[i]), cc = c[i], ss = s[i] * sg;         \
-        lo[i] = NAME##_store(a * cc - b * ss);                                                \
-        hi[i] = NAME##_store(b * cc + a * ss);                                                \
+    for (int64_t i = NAME##_half_simd(lo, hi, lo, hi, c, s, h, sg < 0, 1, 0, 0); i < h; i++) { \
+        CT cc = c[i], ss = s[i] * sg;                                                         \
+        ROPEKIT_ROT(NAME, CT, lo[i], hi[i], lo[i], hi[i]);                                    \
     }                                                                                         \
 }                                                                                             \
 static void NAME##_half_copy(const T *restrict x, T *restrict o, const CT *restrict c,        \
                              const CT *restrict s, int64_t h, CT sg) {                        \
-    for (int64_t i = NAME##_half_simd(x, x + h, o, o + h, c, s, h, sg < 0); i < h; i++) {     \
-        CT a = NAME##_load(x[i]), b = NAME##_load(x[i + h]), cc = c[i], ss = s[i] * sg;       \
-        o[i] = NAME##_store(a * cc - b * ss);                                                 \
-        o[i + h] = NAME##_store(b * cc + a * ss);                                             \
+    for (int64_t i = NAME##_half_simd(x, x + h, o, o + h, c, s, h, sg < 0, 1, 0, 0); i < h; i++) { \
+        CT cc = c[i], ss = s[i] * sg;                                                         \
+        ROPEKIT_ROT(NAME, CT, x[i], x[i + h], o[i], o[i + h]);                                \
     }                                                                                         \
 }                                                                                             \
 static void NAME##_inter_inplace(T *restrict p, const CT *restrict c, const CT *restrict s,   \
                                  int64_t h, CT sg) {                                          \
-    for (int64_t i = NAME##_inter_simd(p, p, c, s, h, sg < 0); i < h; i++) {                  \
-        CT a = NAME##_load(p[2 * i]), b = NAME##_load(p[2 * i + 1]), cc = c[i], ss = s[i] * sg; \
-        p[2 * i] = NAME##_store(a * cc - b * ss);                                             \
-        p[2 * i + 1] = NAME##_store(b * cc + a * ss);                                         \
+    for (int64_t i = NAME##_inter_simd(p, p, c, s, h, sg < 0, 1, 0, 0); i < h; i++) {         \
+        CT cc = c[i], ss = s[i] * sg;                                                         \
+        ROPEKIT_ROT(NAME, CT, p[2 * i], p[2 * i + 1], p[2 * i], p[2 * i + 1]);                \
     }                                                                                         \
 }                                                                                             \
 static void NAME##_inter_copy(const T *restrict x, T *restrict o, const CT *restrict c,       \
                               const CT *restrict s, int64_t h, CT sg) {                       \
-    for (int64_t i = NAME##_inter_simd(x, o, c, s, h, sg < 0); i < h; i++) {                  \
-        CT a = NAME##_load(x[2 * i]), b = NAME##_load(x[2 * i + 1]), cc = c[i], ss = s[i] * sg; \
-        o[2 * i] = NAME##_store(a * cc - b * ss);                                             \
-        o[2 * i + 1] = NAME##_store(b * cc + a * ss);                                         \
+    for (int64_t i = NAME##_inter_simd(x, o, c, s, h, sg < 0, 1, 0, 0); i < h; i++) {         \
+        CT cc = c[i], ss = s[i] * sg;                                                         \
+        ROPEKIT_ROT(NAME, CT, x[2 * i], x[2 * i + 1], o[2 * i], o[2 * i + 1]);                \
+    }                                                                                         \
+}                                                                                             \
+static void NAME##_half_inplace4_(T *restrict l0, T *restrict h0, T *restrict l1,             \
+                                  T *restrict h1, T *restrict l2, T *restrict h2,             \
+                                  T *restrict l3, T *restrict h3, const CT *restrict c,       \
+                                  const CT *restrict s, int64_t begin, int64_t h, CT sg) {    \
+    for (int64_t i = begin; i < h; i++) {                                                     \
+        CT cc = c[i], ss = s[i] * sg;                                                         \
+        ROPEKIT_ROT(NAME, CT, l0[i], h0[i], l0[i], h0[i]);                                    \
+        ROPEKIT_ROT(NAME, CT, l1[i], h1[i], l1[i], h1[i]);                                    \
+        ROPEKIT_ROT(NAME, CT, l2[i], h2[i], l2[i], h2[i]);                                    \
+        ROPEKIT_ROT(NAME, CT, l3[i], h3[i], l3[i], h3[i]);                                    \
+    }                                                                                         \
+}                                                                                             \
+static void NAME##_half_copy4_(const T *restrict x0, const T *restrict x1,                   \
+                               const T *restrict x2, const T *restrict x3, T *restrict o0,    \
+                               T *restrict o1, T *restrict o2, T *restrict o3,                \
+                               const CT *restrict c, const CT *restrict s, int64_t begin,     \
+                               int64_t h, CT sg) {                                            \
+    for (int64_t i = begin; i < h; i++) {                                                     \
+        CT cc = c[i], ss = s[i] * sg;                                                         \
+        ROPEKIT_ROT(NAME, CT, x0[i], x0[i + h], o0[i], o0[i + h]);                            \
+        ROPEKIT_ROT(NAME, CT, x1[i], x1[i + h], o1[i], o1[i + h]);                            \
+        ROPEKIT_ROT(NAME, CT, x2[i], x2[i + h], o2[i], o2[i + h]);                            \
+        ROPEKIT_ROT(NAME, CT, x3[i], x3[i + h], o3[i], o3[i + h]);                            \
+    }                                                                                         \
+}                                                                                             \
+static void NAME##_inter_inplace4_(T *restrict p0, T *restrict p1, T *restrict p2,            \
+                                   T *restrict p3, const CT *restrict c, const CT *restrict s, \
+                                   int64_t begin, int64_t h, CT sg) {                         \
+    for (int64_t i = begin; i < h; i++) {                                                     \
+        CT cc = c[i], ss = s[i] * sg;                                                         \
+        ROPEKIT_ROT(NAME, CT, p0[2 * i], p0[2 * i + 1], p0[2 * i], p0[2 * i + 1]);            \
+        ROPEKIT_ROT(NAME, CT, p1[2 * i], p1[2 * i + 1], p1[2 * i], p1[2 * i + 1]);            \
+        ROPEKIT_ROT(NAME, CT, p2[2 * i], p2[2 * i + 1], p2[2 * i], p2[2 * i + 1]);            \
+        ROPEKIT_ROT(NAME, CT, p3[2 * i], p3[2 * i + 1], p3[2 * i], p3[2 * i + 1]);            \
+    }                                                                                         \
+}                                                                                             \
+static void NAME##_inter_copy4_(const T *restrict x0, const T *restrict x1,                  \
+                                const T *restrict x2, const T *restrict x3, T *restrict o0,   \
+                                T *restrict o1, T *restrict o2, T *restrict o3,               \
+                                const CT *restrict c, const CT *restrict s, int64_t begin,    \
+                                int64_t h, CT sg) {                                           \
+    for (int64_t i = begin; i < h; i++) {                                                     \
+        CT cc = c[i], ss = s[i] * sg;                                                         \
+        ROPEKIT_ROT(NAME, CT, x0[2 * i], x0[2 * i + 1], o0[2 * i], o0[2 * i + 1]);            \
+        ROPEKIT_ROT(NAME, CT, x1[2 * i], x1[2 * i + 1], o1[2 * i], o1[2 * i + 1]);            \
+        ROPEKIT_ROT(NAME, CT, x2[2 * i], x2[2 * i + 1], o2[2 * i], o2[2 * i + 1]);            \
+        ROPEKIT_ROT(NAME, CT, x3[2 * i], x3[2 * i + 1], o3[2 * i], o3[2 * i + 1]);            \
+    }                                                                                         \
+}                                                                                             \
+/* Four rows x, x + xs, x + 2 xs, x + 3 xs (out: o, o + os, ...) sharing the table row c, s. */ \
+static void NAME##_rows4(T *x, T *o, int64_t xs, int64_t os, const CT *c, const CT *s,        \
+                         int64_t h, CT sg, int interleaved, int inplace) {                    \
+    const int conj = sg < 0;                                                                  \
+    if (interleaved && inplace) {                                                             \
+        int64_t i = NAME##_inter_simd(x, x, c, s, h, conj, 4, xs, xs);                        \
+        NAME##_inter_inplace4_(x, x + xs, x + 2 * xs, x + 3 * xs, c, s, i, h, sg);            \
+    } else if (interleaved) {                                                                 \
+        int64_t i = NAME##_inter_simd(x, o, c, s, h, conj, 4, xs, os);                        \
+        NAME##_inter_copy4_(x, x + xs, x + 2 * xs, x + 3 * xs, o, o + os, o + 2 * os,         \
+                            o + 3 * os, c, s, i, h, sg);                                      \
+    } else if (inplace) {                                                                     \
+        int64_t i = NAME##_half_simd(x, x + h, x, x + h, c, s, h, conj, 4, xs, xs);           \
+        NAME##_half_inplace4_(x, x + h, x + xs, x + xs + h, x + 2 * xs, x + 2 * xs + h,       \
+                              x + 3 * xs, x + 3 * xs + h, c, s, i, h, sg);                    \
+    } else {                                                                                  \
+        int64_t i = NAME##_half_simd(x, x + h, o, o + h, c, s, h, conj, 4, xs, os);           \
+        NAME##_half_copy4_(x, x + xs, x + 2 * xs, x + 3 * xs, o, o + os, o + 2 * os,          \
+                           o + 3 * os, c, s, i, h, sg);                                       \
     }                                                                                         \
 }
 
@@ -360,7 +516,22 @@ int ropekit_rotate_##NAME(void *x, void *out, const void *cos, const void *sin, 
         const int64_t n = inner - start < row_end - row ? inner - start : row_end - row;      \
         T *xr = (T *)x + r.offset[0], *orow = (T *)out + r.offset[1];                         \
         const CT *cr = (const CT *)cos + r.offset[2], *sr = (const CT *)sin + r.offset[3];    \
-        if (inplace && interleaved) {                                                         \
+        if (sc == 0 && ss == 0 && n >= 4) {                                                   \
+            int64_t j = 0;                                                                    \
+            for (; j + 4 <= n; j += 4, xr += 4 * sx, orow += 4 * so) {                        \
+                NAME##_rows4(xr, orow, sx, so, cr, sr, h, sg, interleaved, inplace);          \
+                if (tail > 0)                                                                 \
+                    for (int q = 0; q < 4; q++)                                               \
+                        memcpy(orow + q * so + 2 * h, xr + q * sx + 2 * h, (size_t)tail * sizeof(T)); \
+            }                                                                                 \
+            for (; j < n; j++, xr += sx, orow += so) {                                        \
+                if (interleaved && inplace) NAME##_inter_inplace(xr, cr, sr, h, sg);          \
+                else if (interleaved) NAME##_inter_copy(xr, orow, cr, sr, h, sg);             \
+                else if (inplace) NAME##_half_inplace(xr, xr + h, cr, sr, h, sg);             \
+                else NAME##_half_copy(xr, orow, cr, sr, h, sg);                               \
+                if (tail > 0) memcpy(orow + 2 * h, xr + 2 * h, (size_t)tail * sizeof(T));    \
+            }                                                                                 \
+        } else if (inplace && interleaved) {                                                  \
             ROPEKIT_RUN(NAME##_inter_inplace(xr, cr, sr, h, sg))                              \
         } else if (inplace) {                                                                 \
             ROPEKIT_RUN(NAME##_half_inplace(xr, xr + h, cr, sr, h, sg))                       \
@@ -385,3 +556,25 @@ ROPEKIT_ENTRY(f32, float, float)
 ROPEKIT_ENTRY(f64, double, double)
 ROPEKIT_ENTRY(bf16, uint16_t, float)
 ROPEKIT_ENTRY(f16, uint16_t, float)
+
+/* ---- q and k in one call ---- */
+
+static int64_t rows_of(const int64_t *params) {
+    int64_t rows = 1;
+    for (int64_t d = 0; d < params[0] && d < ROPEKIT_MAX_DIMS; d++) rows *= params[8 + d];
+    return rows;
+}
+
+#define ROPEKIT_PAIR_ENTRY(NAME)                                                              \
+int ropekit_rotate_pair_##NAME(void *x, void *out, const void *cos, const void *sin,          \
+                               const int64_t *params, void *y, void *yout, const void *ycos,  \
+                               const void *ysin, const int64_t *yparams) {                    \
+    int status = ropekit_rotate_##NAME(x, out, cos, sin, params, 0, rows_of(params));         \
+    if (status) return status;                                                                \
+    return ropekit_rotate_##NAME(y, yout, ycos, ysin, yparams, 0, rows_of(yparams));          \
+}
+
+ROPEKIT_PAIR_ENTRY(f32)
+ROPEKIT_PAIR_ENTRY(f64)
+ROPEKIT_PAIR_ENTRY(bf16)
+ROPEKIT_PAIR_ENTRY(f16)

@@ -9,7 +9,7 @@ from torch import nn
 
 from .._checks import check_even_positive, check_layout, check_positions, check_positive_float
 from ..frequencies import cos_sin, inv_frequencies
-from ..functional import apply_rotary
+from ..functional import apply_rotary, apply_rotary_qk
 
 _MIN_TABLE = 256
 
@@ -210,14 +210,15 @@ class RotaryEmbedding(nn.Module):
                 f"{k.shape[seq_dim]}"
             )
         cos, sin = self._broadcast_tables(q, positions, offset, seq_dim)
-        q_out = apply_rotary(q, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
         if k is None:
-            return q_out, None
+            return apply_rotary(q, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend), None
         if k.dim() != q.dim() or k.shape[0] != q.shape[0]:  # tables gathered for q do not fit k
+            q_out = apply_rotary(q, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
             return q_out, self.rotate(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace)
         if k.shape[-1] != self.head_dim:
             raise ValueError(f"k has head_dim {k.shape[-1]}, this RotaryEmbedding was built for {self.head_dim}")
-        return q_out, apply_rotary(k, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
+        # one kernel call for both (a decode step crosses into the native kernel once)
+        return apply_rotary_qk(q, k, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
 
     # -- construction from configs ------------------------------------------------------------
     @classmethod

@@ -6,6 +6,12 @@ RoPE is memory-bound, so each row is timed next to its floor in the same run:
 - out of place: ``x.clone()`` of q and k (the same allocation and bytes as the output);
 - forward + backward: the out-of-place floor twice (the backward reads the gradient and writes one).
 
+ropekit is timed through :func:`ropekit.apply_rotary_qk` (q and k in one call), the
+counterpart of transformers' ``apply_rotary_pos_emb(q, k, cos, sin)``. For 16-bit dtypes one
+more reference row converts q and k to float32 and back into preallocated tensors
+(``x -> float32 -> x``, torch's own conversion): the least work of any kernel that computes
+in float32 on a CPU without 16-bit arithmetic.
+
 ``ratio_copy = floor_ms / ms`` (1.0 = as fast as copying the bytes) and
 ``ratio_hf = hf_ms / ms`` (speed-up over transformers' eager recipe
 ``q * cos + rotate_half(q) * sin`` with tables in the activation dtype). ``saved_mb`` is what
@@ -24,7 +30,7 @@ import torch
 
 from .. import backends
 from ..frequencies import cos_sin, inv_frequencies
-from ..functional import apply_rotary
+from ..functional import apply_rotary, apply_rotary_qk
 from .precision import rotate_half
 
 
@@ -158,6 +164,12 @@ def bench_shape(
     add("copy (x.clone)", "out-of-place", copy_ms, copy_ms, hf_ms)
     add("in-place pass (x.mul_)", "in-place", inplace_floor_ms, inplace_floor_ms, hf_ms)
     add("transformers eager", "out-of-place", hf_ms, copy_ms, hf_ms)
+    if dtype.itemsize == 2 and device.type == "cpu":
+        wide_q, wide_k = torch.empty(q.shape), torch.empty(k.shape)
+        back_q, back_k = torch.empty_like(q), torch.empty_like(k)
+        add("float32 round trip (x -> f32 -> x)", "out-of-place",
+            time_ms(lambda: (wide_q.copy_(q), back_q.copy_(wide_q), wide_k.copy_(k), back_k.copy_(wide_k)),
+                    device, repeats), copy_ms, hf_ms)
     if compile_peer:
         compiled = torch.compile(hf_recipe, dynamic=False)
         add("transformers + torch.compile", "out-of-place",
@@ -172,11 +184,10 @@ def bench_shape(
             apply_rotary(q[:1, :1, :1], cos_v[:1], sin_v[:1], backend=name)
         except (RuntimeError, ValueError, TypeError):
             continue  # backend not usable on this device / dtype
-        out_ms = time_ms(lambda n=name: (apply_rotary(q, cos_v, sin_v, backend=n),
-                                         apply_rotary(k, cos_v, sin_v, backend=n)), device, repeats)
+        out_ms = time_ms(lambda n=name: apply_rotary_qk(q, k, cos_v, sin_v, backend=n), device, repeats)
         add(name, "out-of-place", out_ms, copy_ms, hf_ms)
-        in_ms = time_ms(lambda n=name: (apply_rotary(qi, cos_v, sin_v, backend=n, inplace=True),
-                                        apply_rotary(ki, cos_v, sin_v, backend=n, inplace=True)), device, repeats)
+        in_ms = time_ms(lambda n=name: apply_rotary_qk(qi, ki, cos_v, sin_v, backend=n, inplace=True), device,
+                        repeats)
         add(name, "in-place", in_ms, inplace_floor_ms, None)
     if backward:
         qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
@@ -189,7 +200,7 @@ def bench_shape(
             return step
 
         def ours():
-            return apply_rotary(qg, cos_v, sin_v), apply_rotary(kg, cos_v, sin_v)
+            return apply_rotary_qk(qg, kg, cos_v, sin_v)
 
         def theirs():
             return hf_recipe(qg, kg, full_cos, full_sin)
