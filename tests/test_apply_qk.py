@@ -95,10 +95,13 @@ def decode_inputs(dtype=torch.float32, q_heads=32, k_heads=8, seed=0):
 
 @pytest.mark.skipif(not cpu_native.is_available(), reason="native CPU backend unavailable")
 def test_decode_step_is_one_native_call(monkeypatch):
-    """On the CPU a small pair goes to the kernel once, not once per tensor."""
+    """On the CPU q and k go to the kernel once, not once per tensor, on the first call (checks)
+    and on the next ones (the fast path)."""
+    from ropekit import functional
+
     q, k, cos, sin = decode_inputs()
-    calls = {"pair": 0, "single": 0}
-    pairs, singles = dict(cpu_native._state["pairs"]), dict(cpu_native._state["functions"])
+    calls = {"team": 0, "single": 0}
+    teams, singles = dict(cpu_native._state["teams"]), dict(cpu_native._state["functions"])
 
     def counting(table, name):
         def wrap(fn):
@@ -108,12 +111,17 @@ def test_decode_step_is_one_native_call(monkeypatch):
             return call
         return {dtype: wrap(fn) for dtype, fn in table.items()}
 
-    monkeypatch.setitem(cpu_native._state, "pairs", counting(pairs, "pair"))
+    monkeypatch.setitem(cpu_native._state, "teams", counting(teams, "team"))
     monkeypatch.setitem(cpu_native._state, "functions", counting(singles, "single"))
-    q_out, k_out = apply_rotary_qk(q, k, cos, sin)
-    assert calls == {"pair": 1, "single": 0}
-    assert_bits(q_out, apply_rotary(q, cos, sin, backend="torch"))
-    assert_bits(k_out, apply_rotary(k, cos, sin, backend="torch"))
+    monkeypatch.setattr(functional, "_fast_pair", {})
+    cpu_native._pair_prepared.clear()
+    for step in range(1, 4):
+        q_out, k_out = apply_rotary_qk(q, k, cos, sin)
+        assert calls == {"team": step, "single": 0}
+        assert len(functional._fast_pair) == 1
+        assert_bits(q_out, apply_rotary(q, cos, sin, backend="torch"))
+        assert_bits(k_out, apply_rotary(k, cos, sin, backend="torch"))
+    cpu_native._pair_prepared.clear()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -40,6 +40,20 @@ def module_setting(name, value):
 
 
 @contextlib.contextmanager
+def library(loaded):
+    """Temporarily run another build of the kernel (the result of ``cpu_native._open_library``)."""
+    keys = ("functions", "teams", "openmp")
+    saved = {key: cpu_native._state[key] for key in keys}
+    cpu_native._state.update(zip(keys, loaded, strict=True))
+    cpu_native._pair_prepared.clear()
+    try:
+        yield
+    finally:
+        cpu_native._state.update(saved)
+        cpu_native._pair_prepared.clear()
+
+
+@contextlib.contextmanager
 def torch_threads(n):
     old = torch.get_num_threads()
     torch.set_num_threads(n)
@@ -245,9 +259,7 @@ def portable_functions(tmp_path_factory):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_portable_build_matches_eager(portable_functions, dtype, layout):
     gen = torch.Generator().manual_seed(5)
-    saved = cpu_native._state["functions"], cpu_native._state["pairs"]
-    cpu_native._state["functions"], cpu_native._state["pairs"] = portable_functions
-    try:
+    with library(portable_functions):
         for half in (1, 7, 12, 16, 20, 33, 64):
             x = (torch.randn(3, 5, 2 * half + 2, generator=gen) * 100).to(dtype)
             cos, sin = tables(torch.arange(5), ropekit.inv_frequencies(2 * half)[0], dtype)
@@ -262,8 +274,6 @@ def test_portable_build_matches_eager(portable_functions, dtype, layout):
             cos, sin = torch.rand(rows, 32, generator=gen) * 3, torch.randn(rows, 32, generator=gen)
             assert_same(native(values, cos, sin, layout=layout),
                         torch_eager.rotate(values, cos, sin, layout=layout))
-    finally:
-        cpu_native._state["functions"], cpu_native._state["pairs"] = saved
 
 
 def test_unsupported_inputs_fall_back_to_eager():
@@ -417,17 +427,13 @@ def test_rows_sharing_a_table_row_match_eager_and_reference(dtype, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_portable_build_rows_sharing_a_table_row(portable_functions, dtype, layout):
     gen = torch.Generator().manual_seed(12)
-    saved = cpu_native._state["functions"], cpu_native._state["pairs"]
-    cpu_native._state["functions"], cpu_native._state["pairs"] = portable_functions
-    try:
+    with library(portable_functions):
         for half, tail, heads in [(8, 0, 9), (16, 6, 7), (64, 0, 32)]:
             x, cos, sin, _, _ = decode_case(dtype, layout, half, tail, heads, gen)
             for conjugate in (False, True):
                 expected = torch_eager.rotate(x, cos, sin, layout=layout, conjugate=conjugate)
                 assert_same(native(x, cos, sin, layout=layout, conjugate=conjugate), expected)
                 assert_same(native(x.clone(), cos, sin, layout=layout, conjugate=conjugate, inplace=True), expected)
-    finally:
-        cpu_native._state["functions"], cpu_native._state["pairs"] = saved
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -454,7 +460,6 @@ def test_rotate_pair_falls_back_to_two_calls():
     gen = torch.Generator().manual_seed(14)
     cos, sin = ropekit.cos_sin(torch.arange(300), ropekit.inv_frequencies(64)[0])
     cases = {
-        "large": (torch.randn(1, 8, 300, 64, generator=gen), torch.randn(1, 8, 300, 64, generator=gen)),
         "dtypes differ": (torch.randn(2, 4, 300, 64, generator=gen),
                           torch.randn(2, 4, 300, 64, generator=gen).to(torch.bfloat16)),
         "empty k": (torch.randn(2, 4, 300, 64, generator=gen), torch.randn(2, 0, 300, 64, generator=gen)),
@@ -467,6 +472,12 @@ def test_rotate_pair_falls_back_to_two_calls():
         assert list(cpu_native._pair_prepared.values()) == [None], name
         assert_same(q_out, torch_eager.rotate(q, cos, sin, layout="half"))
         assert_same(k_out, torch_eager.rotate(k, cos, sin, layout="half"))
+    large = torch.randn(1, 8, 300, 64, generator=gen), torch.randn(1, 8, 300, 64, generator=gen)
+    with module_setting("_state", {**cpu_native._state, "openmp": False}):  # no OpenMP team: the Python pool
+        cpu_native._pair_prepared.clear()
+        q_out, k_out = cpu_native.rotate_pair(*large, cos, sin, cos, sin, layout="half")
+        assert list(cpu_native._pair_prepared.values()) == [None]
+        assert_same(k_out, torch_eager.rotate(large[1], cos, sin, layout="half"))
     converted = (cos.double(), sin.double())  # tables that would need converting
     q, k = torch.randn(2, 3, 300, 64, generator=gen), torch.randn(2, 3, 300, 64, generator=gen)
     cpu_native._pair_prepared.clear()
@@ -475,13 +486,55 @@ def test_rotate_pair_falls_back_to_two_calls():
     assert list(cpu_native._pair_prepared.values()) == [None]
 
 
-def test_pair_kernel_reports_bad_params():
+def test_team_kernel_reports_bad_params():
     cpu_native._load()
-    pair = cpu_native._state["pairs"][torch.float32]
+    team = cpu_native._state["teams"][torch.float32]
     x, c = torch.zeros(4, 8), torch.zeros(4, 4)
     ok = array.array("q", [1, 4, 8, 0, 1, 1, 1, 1, 4, 8, 8, 4, 4])
     bad = array.array("q", [1, 5, 8, 0, 1, 1, 1, 1, 4, 8, 8, 4, 4])  # rotary_dim > head_dim
     ptrs = (x.data_ptr(), x.data_ptr(), c.data_ptr(), c.data_ptr())
-    assert pair(*ptrs, ok.buffer_info()[0], *ptrs, ok.buffer_info()[0]) == 0
-    assert pair(*ptrs, ok.buffer_info()[0], *ptrs, bad.buffer_info()[0]) == -1
-    assert pair(*ptrs, bad.buffer_info()[0], *ptrs, ok.buffer_info()[0]) == -1
+    none = (None,) * 5
+    for threads in (1, 2, 3):
+        assert team(*ptrs, ok.buffer_info()[0], *ptrs, ok.buffer_info()[0], threads) == 0
+        assert team(*ptrs, ok.buffer_info()[0], *none, threads) == 0
+        assert team(*ptrs, ok.buffer_info()[0], *ptrs, bad.buffer_info()[0], threads) == -1
+        assert team(*ptrs, bad.buffer_info()[0], *ptrs, ok.buffer_info()[0], threads) == -1
+        assert team(*ptrs, bad.buffer_info()[0], *none, threads) == -1
+
+
+# -- torch's OpenMP team ----------------------------------------------------------------------------
+def test_openmp_team_is_torchs_own():
+    """On a torch built with OpenMP (the Linux wheels), the kernel finds torch's runtime."""
+    cpu_native._load()
+    expected = ("parallel backend: OpenMP" in torch.__config__.parallel_info() and os.path.exists("/proc/self/maps"))
+    assert cpu_native._state["openmp"] == expected
+    if expected:
+        maps = open("/proc/self/maps", encoding="utf-8").read()
+        assert sum(os.path.basename(line.split()[-1]).startswith(("libgomp", "libomp", "libiomp5"))
+                   for line in {ln for ln in maps.splitlines() if "/" in ln}) >= 1
+
+
+def test_openmp_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("ROPEKIT_NATIVE_OPENMP", "0")
+    assert cpu_native._openmp_entry_points() is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_team_split_equals_one_thread(dtype, layout, inplace):
+    """Rows of q and k split over 1-3 threads: the same bits as one thread, every split point."""
+    gen = torch.Generator().manual_seed(15)
+    for q_heads, k_heads, seq in [(5, 3, 1), (7, 1, 3), (4, 4, 2)]:  # odd row counts: uneven splits
+        q = (torch.randn(3, q_heads, seq, 40, generator=gen) * 4).to(dtype)
+        k = (torch.randn(3, k_heads, seq, 40, generator=gen) * 4).to(dtype)
+        cos, sin = tables(torch.randint(0, 500, (3, 1, seq), generator=gen), ropekit.inv_frequencies(24)[0], dtype)
+        expected = [torch_eager.rotate(t, cos, sin, layout=layout) for t in (q, k)]
+        for threads in (1, 2, 3):
+            with torch_threads(threads), module_setting("TEAM_MIN_BYTES", 0):
+                cpu_native._pair_prepared.clear()
+                got = cpu_native.rotate_pair(q.clone(), k.clone(), cos, sin, cos, sin, layout=layout, inplace=inplace)
+                alone = native(q.clone(), cos, sin, layout=layout, inplace=inplace)
+            assert_same(got[0], expected[0])
+            assert_same(got[1], expected[1])
+            assert_same(alone, expected[0])

@@ -15,8 +15,12 @@ backend off. Nothing happens at import: the first :func:`is_available` or :func:
 compiles (about a second), and a failure is reported once as a ``RuntimeWarning`` and
 remembered, after which :func:`is_available` is ``False``.
 
-ctypes releases the GIL during the call, so tensors from ``PARALLEL_MIN_BYTES`` on are split
-into chunks of rows run by ``torch.get_num_threads()`` threads (the caller and a shared pool).
+Threads: from ``TEAM_MIN_BYTES`` on, the rows are split over ``torch.get_num_threads()``
+threads of torch's own OpenMP team (the kernel calls the ``GOMP_parallel`` of the OpenMP
+runtime torch has loaded, found once in the process's memory map): no second pool competes
+with torch's threads, and waking them costs what it costs torch's own parallel ops. Where no
+such runtime is found, tensors from ``PARALLEL_MIN_BYTES`` on are split into chunks of rows run
+by a shared Python thread pool instead (ctypes releases the GIL during the call).
 From ``PLAN_MIN_BYTES`` on, rows are visited in memory order, a few streams at a time
 (:func:`_plan`): one core then moves about as many bytes per second as ``x.mul_(1.0)``.
 See ``benchmarks/cpu_floor.py``.
@@ -56,7 +60,10 @@ FLAG_SETS = (
     _COMMON_FLAGS,  # compilers without -march=native
 )
 MAX_LEADING_DIMS = 8
-# Below this many bytes of x one call on the calling thread beats handing rows to a pool.
+# From this many bytes (q and k together) on, rows are split over torch's OpenMP team.
+TEAM_MIN_BYTES = 128 << 10
+# Without torch's OpenMP team: below this many bytes of x, one call on the calling thread beats
+# handing rows to the Python pool.
 PARALLEL_MIN_BYTES = 1 << 20
 # The threaded path cuts the rows into this many chunks per thread (load balancing).
 CHUNKS_PER_THREAD = 4
@@ -69,7 +76,8 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", t
 _FLAG_INTERLEAVED, _FLAG_CONJUGATE, _FLAG_COPY_TAIL = 1, 2, 4
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "functions"/"pairs": {dtype: fn} once loaded, "error": str once failed
+# "functions"/"teams": {dtype: fn} and "openmp": bool once loaded; "error": str once failed
+_state: dict[str, object] = {}
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
 _prepared: dict[tuple, tuple] = {}  # rotate's parameter cache, see there
@@ -156,7 +164,7 @@ def _load() -> dict[torch.dtype, object]:
             return _state["functions"]  # type: ignore[return-value]
         if "error" not in _state:
             try:
-                _state["functions"], _state["pairs"] = _open_library()
+                _state["functions"], _state["teams"], _state["openmp"] = _open_library()
                 return _state["functions"]  # type: ignore[return-value]
             except Exception as exc:  # noqa: BLE001 - any failure means "not available"
                 _state["error"] = f"{type(exc).__name__}: {exc}"
@@ -168,10 +176,13 @@ def _load() -> dict[torch.dtype, object]:
         raise RuntimeError(f"ropekit native CPU backend unavailable: {_state['error']}")
 
 
-def _open_library(extra_flags: tuple[str, ...] = ()) -> tuple[dict[torch.dtype, object], dict[torch.dtype, object]]:
+def _open_library(
+    extra_flags: tuple[str, ...] = (),
+) -> tuple[dict[torch.dtype, object], dict[torch.dtype, object], bool]:
     """Build (or find in the cache) and load the library; its functions by dtype.
 
-    Returns ``(functions, pairs)``: ``ropekit_rotate_<t>`` and ``ropekit_rotate_pair_<t>``.
+    Returns ``(functions, teams, openmp)``: ``ropekit_rotate_<t>``, ``ropekit_rotate_team_<t>``
+    and whether the team runs on torch's OpenMP threads (see :func:`_openmp_entry_points`).
     ``extra_flags`` go to the compiler after the defaults (tests build ``-DROPEKIT_PORTABLE``).
     """
     if os.environ.get("ROPEKIT_DISABLE_NATIVE", "") not in ("", "0"):
@@ -185,17 +196,52 @@ def _open_library(extra_flags: tuple[str, ...] = ()) -> tuple[dict[torch.dtype, 
     if compiler is None:
         raise RuntimeError("no C compiler found (set ROPEKIT_CC or CC, or install cc/gcc/clang)")
     library = ctypes.CDLL(str(_build(compiler, extra_flags)))
-    functions, pairs = {}, {}
+    functions, teams = {}, {}
     for dtype, suffix in _SUFFIX.items():
         fn = getattr(library, f"ropekit_rotate_{suffix}")
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64]
         fn.restype = ctypes.c_int
         functions[dtype] = fn
-        pair = getattr(library, f"ropekit_rotate_pair_{suffix}")
-        pair.argtypes = [ctypes.c_void_p] * 10
-        pair.restype = ctypes.c_int
-        pairs[dtype] = pair
-    return functions, pairs
+        team = getattr(library, f"ropekit_rotate_team_{suffix}")
+        team.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64]
+        team.restype = ctypes.c_int
+        teams[dtype] = team
+    entry_points = _openmp_entry_points()
+    if entry_points is not None:
+        library.ropekit_set_openmp.argtypes = [ctypes.c_void_p] * 3
+        library.ropekit_set_openmp.restype = None
+        library.ropekit_set_openmp(*entry_points)
+    return functions, teams, entry_points is not None
+
+
+def _openmp_entry_points() -> tuple[int, int, int] | None:
+    """Where torch's OpenMP runtime has ``GOMP_parallel``, ``omp_get_thread_num`` and ``omp_get_num_threads``.
+
+    None unless torch's parallel backend is OpenMP and exactly one OpenMP runtime (libgomp, or
+    LLVM/Intel's, which export the same entry points) is mapped into this process: opening it
+    by its path then returns the instance torch uses, and with it torch's thread team.
+    ``ROPEKIT_NATIVE_OPENMP=0`` turns this off (the Python thread pool is used instead).
+    """
+    if os.environ.get("ROPEKIT_NATIVE_OPENMP", "1") in ("0", "false", "no", "off"):
+        return None
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return None
+    runtimes = [path for path in paths if os.path.basename(path).split(".")[0].split("-")[0]
+                in ("libgomp", "libomp", "libiomp5")]
+    if len(runtimes) != 1:
+        return None
+    try:
+        runtime = ctypes.CDLL(runtimes[0])
+        names = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+        addresses = tuple(ctypes.cast(getattr(runtime, name), ctypes.c_void_p).value for name in names)
+    except (OSError, AttributeError):
+        return None
+    return addresses if all(addresses) else None  # type: ignore[return-value]
 
 
 def is_available() -> bool:
@@ -373,7 +419,12 @@ def rotate(
     params, rows, nbytes, cos, sin = prepared
     out = x if inplace else torch.empty_like(x)
     args = (x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), params.buffer_info()[0])
-    status = fn(*args, 0, rows) if nbytes < PARALLEL_MIN_BYTES else _call_threaded(fn, args, rows)
+    if _state["openmp"] and nbytes >= TEAM_MIN_BYTES:
+        status = _state["teams"][x.dtype](*args, None, None, None, None, None, torch.get_num_threads())  # type: ignore[index]
+    elif nbytes < PARALLEL_MIN_BYTES:
+        status = fn(*args, 0, rows)
+    else:
+        status = _call_threaded(fn, args, rows)
     if status != 0:
         raise RuntimeError(f"ropekit native kernel rejected its arguments (status {status}); this is a bug")
     if inplace:  # what torch's own in-place ops do: autograd then sees that x changed
@@ -395,24 +446,22 @@ def rotate_pair(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rotate` for q (with ``cos_q``/``sin_q``) and k (with ``cos_k``/``sin_k``) at once.
 
-    Small pairs (a decode step: together under ``PARALLEL_MIN_BYTES``) of one dtype go to the
-    kernel in a single call, which halves the fixed cost of crossing into C; the parameters of
-    each shape are prepared once and cached. Anything else is two :func:`rotate` calls.
+    q and k of one dtype go to the kernel in a single call (``ropekit_rotate_team_<t>``), which
+    halves the fixed cost of crossing into C and, from ``TEAM_MIN_BYTES`` on, splits the rows of
+    both over torch's OpenMP threads; the parameters of each signature are prepared once and
+    cached. Other pairs (and, without torch's OpenMP team, pairs from ``PARALLEL_MIN_BYTES`` on)
+    are two :func:`rotate` calls.
 
     Returns:
         ``(q_out, k_out)``: q and k themselves in place, else new tensors.
     """
-    pairs = _state.get("pairs")
-    if pairs is None:
-        _load()
-        pairs = _state["pairs"]
     if not (q.layout is k.layout is cos_q.layout is sin_q.layout is cos_k.layout is sin_k.layout is torch.strided):
         return (rotate(q, cos_q, sin_q, layout=layout, conjugate=conjugate, inplace=inplace),
                 rotate(k, cos_k, sin_k, layout=layout, conjugate=conjugate, inplace=inplace))
     key = (q.dtype, q.shape, q.stride(), q.is_cpu, k.dtype, k.shape, k.stride(), k.is_cpu,
            cos_q.dtype, cos_q.shape, cos_q.stride(), cos_q.is_cpu, sin_q.dtype, sin_q.stride(), sin_q.is_cpu,
            cos_k.dtype, cos_k.shape, cos_k.stride(), cos_k.is_cpu, sin_k.dtype, sin_k.stride(), sin_k.is_cpu,
-           layout, conjugate, inplace, PARALLEL_MIN_BYTES, PLAN_MIN_BYTES, STREAMS)
+           layout, conjugate, inplace, TEAM_MIN_BYTES, PARALLEL_MIN_BYTES, PLAN_MIN_BYTES, STREAMS)
     plan = _pair_prepared.get(key, False)
     if plan is False:
         plan = _prepare_pair(q, k, cos_q, sin_q, cos_k, sin_k, layout, conjugate, inplace)
@@ -422,9 +471,11 @@ def rotate_pair(
     if plan is None:
         return (rotate(q, cos_q, sin_q, layout=layout, conjugate=conjugate, inplace=inplace),
                 rotate(k, cos_k, sin_k, layout=layout, conjugate=conjugate, inplace=inplace))
+    team, address_q, address_k, nbytes = plan[:4]
     q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
-    status = pairs[q.dtype](q.data_ptr(), q_out.data_ptr(), cos_q.data_ptr(), sin_q.data_ptr(), plan[0],  # type: ignore[index]
-                            k.data_ptr(), k_out.data_ptr(), cos_k.data_ptr(), sin_k.data_ptr(), plan[1])
+    threads = torch.get_num_threads() if nbytes >= TEAM_MIN_BYTES else 1
+    status = team(q.data_ptr(), q_out.data_ptr(), cos_q.data_ptr(), sin_q.data_ptr(), address_q,
+                  k.data_ptr(), k_out.data_ptr(), cos_k.data_ptr(), sin_k.data_ptr(), address_k, threads)
     if status != 0:
         raise RuntimeError(f"ropekit native kernel rejected its arguments (status {status}); this is a bug")
     if inplace:
@@ -440,20 +491,19 @@ def runner(
     ``run`` skips every check and the parameter lookup: the caller (``apply_rotary``'s decode
     fast path) vouches that its arguments have exactly the shapes, strides, dtypes and devices
     of the ones given here, with ``cos``/``sin`` possibly viewed with fewer leading dims (the
-    same memory). None unless ``x`` is small (one thread), native, and the tables need no
-    conversion.
+    same memory). None unless ``x`` is for the kernel, the tables need no conversion, and its
+    size needs no Python thread pool.
     """
-    if x.numel() * x.element_size() >= PARALLEL_MIN_BYTES:
+    plan = _prepare_pair(x, None, cos, sin, None, None, layout, False, inplace)
+    if plan is None:
         return None
-    prepared = _prepare(x, cos, sin, layout, False, inplace)
-    if prepared is None or prepared[3] is not cos or prepared[4] is not sin:
-        return None
-    fn, params = _load()[x.dtype], prepared[0]
-    address, rows = params.buffer_info()[0], prepared[1]
+    team, address, _, nbytes = plan[:4]
 
-    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, params=params) -> torch.Tensor:
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan=plan) -> torch.Tensor:
         out = x if inplace else torch.empty_like(x)
-        if fn(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), address, 0, rows) != 0:
+        threads = torch.get_num_threads() if nbytes >= TEAM_MIN_BYTES else 1
+        if team(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), address, None, None, None, None, None,
+                threads) != 0:
             raise RuntimeError("ropekit native kernel rejected its arguments; this is a bug")
         if inplace:
             increment_version(x)
@@ -483,13 +533,14 @@ def pair_runner(
     plan = _prepare_pair(q, k, cos_q, sin_q, cos_k, sin_k, layout, False, inplace)
     if plan is None:
         return None
-    _load()
-    fn, address_q, address_k = _state["pairs"][q.dtype], plan[0], plan[1]  # type: ignore[index]
+    team, address_q, address_k, nbytes = plan[:4]
 
     def run(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan=plan):
         q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
         c, s = cos.data_ptr(), sin.data_ptr()
-        if fn(q.data_ptr(), q_out.data_ptr(), c, s, address_q, k.data_ptr(), k_out.data_ptr(), c, s, address_k) != 0:
+        threads = torch.get_num_threads() if nbytes >= TEAM_MIN_BYTES else 1
+        if team(q.data_ptr(), q_out.data_ptr(), c, s, address_q, k.data_ptr(), k_out.data_ptr(), c, s, address_k,
+                threads) != 0:
             raise RuntimeError("ropekit native kernel rejected its arguments; this is a bug")
         if inplace:
             increment_version((q, k))
@@ -499,24 +550,28 @@ def pair_runner(
 
 
 def _prepare_pair(q, k, cos_q, sin_q, cos_k, sin_k, layout, conjugate, inplace) -> tuple | None:
-    """The two parameter blocks' addresses (and the arrays, kept alive), or None: use two calls.
+    """``(team_fn, params_q address, params_k address or None, total bytes, params arrays...)``, or None.
 
-    None when the dtypes differ, a tensor is empty or not for the kernel, a table would need
-    converting, or the pair is large enough for :func:`rotate`'s threads.
+    ``k`` may be None (q alone). None means "not one team call": the dtypes differ, a tensor
+    is empty or not for the kernel, a table would need converting, or the pair is large and
+    torch's OpenMP team is not available (the Python thread pool of :func:`rotate` takes it).
     """
-    if q.dtype is not k.dtype or q.dtype not in _SUFFIX or q.numel() == 0 or k.numel() == 0:
+    _load()
+    tensors = (q,) if k is None else (q, k)
+    if q.dtype not in _SUFFIX or any(t.dtype is not q.dtype or t.numel() == 0 for t in tensors):
         return None
-    if (q.numel() + k.numel()) * q.element_size() >= PARALLEL_MIN_BYTES:
+    nbytes = sum(t.numel() for t in tensors) * q.element_size()
+    if nbytes >= PARALLEL_MIN_BYTES and not _state["openmp"]:
         return None
-    prepared_q = _prepare(q, cos_q, sin_q, layout, conjugate, inplace)
-    prepared_k = _prepare(k, cos_k, sin_k, layout, conjugate, inplace)
-    if prepared_q is None or prepared_k is None:
+    prepared = [_prepare(t, c, s, layout, conjugate, inplace) for t, c, s in ((q, cos_q, sin_q), (k, cos_k, sin_k))
+                if t is not None]
+    if any(p is None for p in prepared):
         return None
-    converted = prepared_q[3] is not cos_q or prepared_q[4] is not sin_q
-    if converted or prepared_k[3] is not cos_k or prepared_k[4] is not sin_k:
-        return None
-    params_q, params_k = prepared_q[0], prepared_k[0]
-    return params_q.buffer_info()[0], params_k.buffer_info()[0], params_q, params_k
+    if any(p[3] is not c or p[4] is not s for p, c, s in zip(prepared, (cos_q, cos_k), (sin_q, sin_k), strict=False)):
+        return None  # a table was converted: the prepared call would read the caller's
+    params = [p[0] for p in prepared]
+    addresses = [a.buffer_info()[0] for a in params] + [None]
+    return (_state["teams"][q.dtype], addresses[0], addresses[1], nbytes, *params)  # type: ignore[index]
 
 
 def _prepare(

@@ -1,0 +1,28 @@
+"""The README's API example runs as written (a user's first copy-paste must work)."""
+
+from pathlib import Path
+
+import torch
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def python_blocks(text: str) -> list[str]:
+    """The fenced ```python blocks of a Markdown text."""
+    blocks, rest = [], text
+    while "```python\n" in rest:
+        rest = rest.split("```python\n", 1)[1]
+        code, rest = rest.split("```", 1)
+        blocks.append(code)
+    return blocks
+
+
+def test_readme_api_example_runs():
+    text = README.read_text(encoding="utf-8")
+    api = text[text.index("## API"):]
+    code = python_blocks(api)[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md (API)", "exec"), namespace)  # noqa: S102 - our own documentation
+    q_rot, k_rot = namespace["q_rot"], namespace["k_rot"]
+    assert q_rot.shape == (300, 32, 128) and k_rot.shape == (300, 8, 128)
+    assert torch.isfinite(q_rot).all() and not torch.equal(q_rot, namespace["packed_q"])
