@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ropekit
-from ropekit.backends import cpu_native, torch_eager
+from ropekit.backends import cpu_library, cpu_native, torch_eager
 
 torch.set_num_threads(1)
 
@@ -41,7 +41,7 @@ def module_setting(name, value):
 
 @contextlib.contextmanager
 def library(loaded):
-    """Temporarily run another build of the kernel (the result of ``cpu_native._open_library``)."""
+    """Temporarily run another build of the kernel (the result of ``cpu_library.open_library``)."""
     keys = ("functions", "teams", "openmp")
     saved = {key: cpu_native._state[key] for key in keys}
     cpu_native._state.update(zip(keys, loaded, strict=True))
@@ -247,7 +247,7 @@ def portable_functions(tmp_path_factory):
     old = os.environ.get("ROPEKIT_CACHE_DIR")
     os.environ["ROPEKIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("ropekit-cache"))
     try:
-        return cpu_native._open_library(("-DROPEKIT_PORTABLE",))
+        return cpu_library.open_library(("-DROPEKIT_PORTABLE",))
     finally:
         if old is None:
             del os.environ["ROPEKIT_CACHE_DIR"]
@@ -386,10 +386,10 @@ def test_disabled_by_environment(monkeypatch):
 
 def test_library_is_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path))
-    compiler = cpu_native._compiler()
-    first = cpu_native._build(compiler, ("-DROPEKIT_PORTABLE",))
+    compiler = cpu_library._compiler()
+    first = cpu_library._build(compiler, ("-DROPEKIT_PORTABLE",))
     stamp = first.stat().st_mtime_ns
-    assert cpu_native._build(compiler, ("-DROPEKIT_PORTABLE",)) == first
+    assert cpu_library._build(compiler, ("-DROPEKIT_PORTABLE",)) == first
     assert first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
 
@@ -516,7 +516,7 @@ def test_openmp_team_is_torchs_own():
 
 def test_openmp_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("ROPEKIT_NATIVE_OPENMP", "0")
-    assert cpu_native._openmp_entry_points() is None
+    assert cpu_library.openmp_entry_points() is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

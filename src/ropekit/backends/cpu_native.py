@@ -5,13 +5,8 @@ reads and writes each element once; out of place it writes into ``torch.empty_li
 temporary of ``x``'s size). Arithmetic is float32 (float64 for float64 ``x``) without FMA
 contraction, so results equal the eager backend's bit for bit.
 
-The shared library is built with ``cc -O3 -march=native -ffp-contract=off ...`` (see
-:data:`FLAG_SETS`) into a per-user cache (``$ROPEKIT_CACHE_DIR``, else
-``$XDG_CACHE_HOME/ropekit``, else ``~/.cache/ropekit``; a private temporary directory when that
-is not writable) under a name keyed by the source, flags, compiler version and CPU, written
-atomically (temporary file, then ``os.replace``).
-``ROPEKIT_CC`` (else ``CC``) picks the compiler; ``ROPEKIT_DISABLE_NATIVE=1`` turns the
-backend off. Nothing happens at import: the first :func:`is_available` or :func:`rotate`
+Building, the compiler cache and the environment variables are in :mod:`.cpu_library`.
+Nothing happens at import: the first :func:`is_available` or :func:`rotate`
 compiles (about a second), and a failure is reported once as a ``RuntimeWarning`` and
 remembered, after which :func:`is_available` is ``False``.
 
@@ -31,34 +26,18 @@ Nothing of this changes results: every row is computed the same way whatever the
 from __future__ import annotations
 
 import array
-import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 from torch.autograd.graph import increment_version
 
-from . import torch_eager
+from . import cpu_library, torch_eager
+from .cpu_library import SUFFIX
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "rotary.c"
-# -ffp-contract=off: no FMA, so the arithmetic is the eager backend's, bit for bit.
-# -fno-tree-slp-vectorize: gcc 12's straight-line vectoriser turns the interleaved float64 pair
-# into vfmaddsub (a fused multiply-add) despite -ffp-contract=off; the loop vectoriser does not.
-_COMMON_FLAGS = ("-O3", "-std=c99", "-ffp-contract=off", "-fno-tree-slp-vectorize", "-fPIC", "-shared")
-FLAG_SETS = (
-    ("-march=native", *_COMMON_FLAGS),
-    _COMMON_FLAGS,  # compilers without -march=native
-)
 MAX_LEADING_DIMS = 8
 # From this many bytes (q and k together) on, rows are split over torch's OpenMP team.
 TEAM_MIN_BYTES = 128 << 10
@@ -72,7 +51,6 @@ PLAN_MIN_BYTES = 1 << 20
 # Rows taken round-robin from this many separate runs of memory (see _plan).
 STREAMS = 4
 
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
 _FLAG_INTERLEAVED, _FLAG_CONJUGATE, _FLAG_COPY_TAIL = 1, 2, 4
 
 _lock = threading.Lock()
@@ -82,76 +60,6 @@ _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
 _prepared: dict[tuple, tuple] = {}  # rotate's parameter cache, see there
 _pair_prepared: dict[tuple, tuple | None] = {}  # rotate_pair's, see there
-
-
-def cache_dir() -> Path:
-    """Directory holding the compiled libraries (created on demand)."""
-    explicit = os.environ.get("ROPEKIT_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ropekit"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("ROPEKIT_CC"), os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on, so a shared cache never serves another CPU's build."""
-    text = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.split(":")[0].strip() in ("flags", "Features", "model name"):
-                    text += line
-                if line.strip() == "":  # the first processor's block is enough
-                    break
-    except OSError:
-        pass
-    return text
-
-
-def _build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile the source (cached), trying each flag set in turn; return the library's path."""
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=60, check=False
-    ).stdout
-    source = SOURCE.read_bytes()
-    directory = cache_dir()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if not os.access(directory, os.W_OK):
-            raise PermissionError(directory)
-    except OSError:  # read-only home: a private directory for this process only
-        directory = Path(tempfile.mkdtemp(prefix="ropekit-"))
-    errors = []
-    for flag_set in FLAG_SETS:
-        flags = flag_set + tuple(extra_flags)
-        key = hashlib.sha256(
-            b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_signature().encode(),
-                        platform.machine().encode()])
-        ).hexdigest()[:20]
-        target = directory / f"rotary-{key}.so"
-        if target.exists():
-            return target
-        fd, tmp = tempfile.mkstemp(prefix=".rotary-", suffix=".so", dir=directory)
-        os.close(fd)
-        try:
-            done = subprocess.run(
-                [compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300, check=False
-            )
-            if done.returncode == 0:
-                os.replace(tmp, target)
-                return target
-            errors.append(f"{compiler} {' '.join(flags)}: {done.stderr.strip()[-2000:]}")
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    raise RuntimeError("; ".join(errors))
 
 
 def _load() -> dict[torch.dtype, object]:
@@ -164,7 +72,7 @@ def _load() -> dict[torch.dtype, object]:
             return _state["functions"]  # type: ignore[return-value]
         if "error" not in _state:
             try:
-                _state["functions"], _state["teams"], _state["openmp"] = _open_library()
+                _state["functions"], _state["teams"], _state["openmp"] = cpu_library.open_library()
                 return _state["functions"]  # type: ignore[return-value]
             except Exception as exc:  # noqa: BLE001 - any failure means "not available"
                 _state["error"] = f"{type(exc).__name__}: {exc}"
@@ -174,74 +82,6 @@ def _load() -> dict[torch.dtype, object]:
                     stacklevel=3,
                 )
         raise RuntimeError(f"ropekit native CPU backend unavailable: {_state['error']}")
-
-
-def _open_library(
-    extra_flags: tuple[str, ...] = (),
-) -> tuple[dict[torch.dtype, object], dict[torch.dtype, object], bool]:
-    """Build (or find in the cache) and load the library; its functions by dtype.
-
-    Returns ``(functions, teams, openmp)``: ``ropekit_rotate_<t>``, ``ropekit_rotate_team_<t>``
-    and whether the team runs on torch's OpenMP threads (see :func:`_openmp_entry_points`).
-    ``extra_flags`` go to the compiler after the defaults (tests build ``-DROPEKIT_PORTABLE``).
-    """
-    if os.environ.get("ROPEKIT_DISABLE_NATIVE", "") not in ("", "0"):
-        raise RuntimeError("disabled by ROPEKIT_DISABLE_NATIVE")
-    machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64", "aarch64", "arm64"):
-        raise RuntimeError(f"unsupported machine {machine!r} (x86-64 and arm64 only)")
-    if sys.byteorder != "little":
-        raise RuntimeError("big-endian machines are not supported")
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler found (set ROPEKIT_CC or CC, or install cc/gcc/clang)")
-    library = ctypes.CDLL(str(_build(compiler, extra_flags)))
-    functions, teams = {}, {}
-    for dtype, suffix in _SUFFIX.items():
-        fn = getattr(library, f"ropekit_rotate_{suffix}")
-        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64]
-        fn.restype = ctypes.c_int
-        functions[dtype] = fn
-        team = getattr(library, f"ropekit_rotate_team_{suffix}")
-        team.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64]
-        team.restype = ctypes.c_int
-        teams[dtype] = team
-    entry_points = _openmp_entry_points()
-    if entry_points is not None:
-        library.ropekit_set_openmp.argtypes = [ctypes.c_void_p] * 3
-        library.ropekit_set_openmp.restype = None
-        library.ropekit_set_openmp(*entry_points)
-    return functions, teams, entry_points is not None
-
-
-def _openmp_entry_points() -> tuple[int, int, int] | None:
-    """Where torch's OpenMP runtime has ``GOMP_parallel``, ``omp_get_thread_num`` and ``omp_get_num_threads``.
-
-    None unless torch's parallel backend is OpenMP and exactly one OpenMP runtime (libgomp, or
-    LLVM/Intel's, which export the same entry points) is mapped into this process: opening it
-    by its path then returns the instance torch uses, and with it torch's thread team.
-    ``ROPEKIT_NATIVE_OPENMP=0`` turns this off (the Python thread pool is used instead).
-    """
-    if os.environ.get("ROPEKIT_NATIVE_OPENMP", "1") in ("0", "false", "no", "off"):
-        return None
-    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
-        return None
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            paths = {line.split()[-1] for line in f if "/" in line}
-    except OSError:
-        return None
-    runtimes = [path for path in paths if os.path.basename(path).split(".")[0].split("-")[0]
-                in ("libgomp", "libomp", "libiomp5")]
-    if len(runtimes) != 1:
-        return None
-    try:
-        runtime = ctypes.CDLL(runtimes[0])
-        names = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
-        addresses = tuple(ctypes.cast(getattr(runtime, name), ctypes.c_void_p).value for name in names)
-    except (OSError, AttributeError):
-        return None
-    return addresses if all(addresses) else None  # type: ignore[return-value]
 
 
 def is_available() -> bool:
@@ -259,7 +99,7 @@ def supports(x: torch.Tensor, inplace: bool = False) -> bool:
     Needs a strided CPU tensor of float32/float64/bfloat16/float16 with last-dim stride 1 (or
     one channel), at most 8 leading dims, and for ``inplace`` no leading dim aliased by stride 0.
     """
-    if x.dtype not in _SUFFIX or not x.is_cpu or x.layout != torch.strided:
+    if x.dtype not in SUFFIX or not x.is_cpu or x.layout != torch.strided:
         return False
     shape, stride = x.shape, x.stride()
     if not 1 <= len(shape) <= MAX_LEADING_DIMS + 1 or (stride[-1] != 1 and shape[-1] > 1):
@@ -558,7 +398,7 @@ def _prepare_pair(q, k, cos_q, sin_q, cos_k, sin_k, layout, conjugate, inplace) 
     """
     _load()
     tensors = (q,) if k is None else (q, k)
-    if q.dtype not in _SUFFIX or any(t.dtype is not q.dtype or t.numel() == 0 for t in tensors):
+    if q.dtype not in SUFFIX or any(t.dtype is not q.dtype or t.numel() == 0 for t in tensors):
         return None
     nbytes = sum(t.numel() for t in tensors) * q.element_size()
     if nbytes >= PARALLEL_MIN_BYTES and not _state["openmp"]:
