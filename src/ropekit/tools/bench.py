@@ -10,7 +10,8 @@ ropekit is timed through :func:`ropekit.apply_rotary_qk` (q and k in one call), 
 counterpart of transformers' ``apply_rotary_pos_emb(q, k, cos, sin)``. For 16-bit dtypes one
 more reference row converts q and k to float32 and back into preallocated tensors
 (``x -> float32 -> x``, torch's own conversion): the least work of any kernel that computes
-in float32 on a CPU without 16-bit arithmetic.
+in float32 on a CPU without 16-bit arithmetic. On CUDA, Liger's Triton kernel
+(``liger-kernel``, when installed) is timed in place.
 
 ``ratio_copy = floor_ms / ms`` (1.0 = as fast as copying the bytes) and
 ``ratio_hf = hf_ms / ms`` (speed-up over transformers' eager recipe
@@ -83,6 +84,15 @@ def _transformers_apply():
     return apply_rotary_pos_emb
 
 
+def _liger_rope():
+    """Liger's Triton RoPE (``LigerRopeFunction.apply``), or ``None`` when liger-kernel is not installed."""
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+    except ImportError:
+        return None
+    return LigerRopeFunction.apply
+
+
 def hf_recipe(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Eager RoPE of transformers: its ``apply_rotary_pos_emb`` when installed, else the same recipe.
 
@@ -95,17 +105,21 @@ def hf_recipe(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 
 def saved_bytes(fn: Callable[[], tuple[torch.Tensor, ...]]) -> int:
-    """Bytes of the tensors autograd saves for the backward pass while running ``fn``."""
-    total = 0
+    """Bytes of memory autograd keeps for the backward pass while running ``fn``.
+
+    Counted per storage: tensors saved as views of one storage (a table viewed for q and for k)
+    occupy its bytes once.
+    """
+    storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
-    return total
+    return sum(storages.values())
 
 
 def peak_bytes(fn: Callable[[], None], device: torch.device) -> int | None:
@@ -189,6 +203,12 @@ def bench_shape(
         in_ms = time_ms(lambda n=name: apply_rotary_qk(qi, ki, cos_v, sin_v, backend=n, inplace=True), device,
                         repeats)
         add(name, "in-place", in_ms, inplace_floor_ms, None)
+    liger = _liger_rope() if device.type == "cuda" else None
+    if liger is not None:
+        # Liger rotates (b, h, s, d) views of (b, s, h, d) storage in place, full-width tables
+        q_l, k_l = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
+        add("liger-kernel", "in-place", time_ms(lambda: liger(q_l, k_l, full_cos[None], full_sin[None]), device,
+                                                repeats), inplace_floor_ms, None)
     if backward:
         qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
         grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)

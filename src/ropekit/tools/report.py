@@ -313,8 +313,7 @@ def _bench_rows() -> tuple[list[dict] | None, str | None]:
     if importlib.util.find_spec("ropekit.tools.bench") is None:
         return None, None
     try:
-        from . import bench
-
+        bench = importlib.import_module("ropekit.tools.bench")
         return [dict(row) for row in bench.run(quick=True)], None
     except Exception as exc:  # noqa: BLE001 -- an optional section must not lose the whole report
         return None, f"{type(exc).__name__}: {exc}"
