@@ -538,3 +538,19 @@ def test_team_split_equals_one_thread(dtype, layout, inplace):
             assert_same(got[0], expected[0])
             assert_same(got[1], expected[1])
             assert_same(alone, expected[0])
+
+
+def test_cache_key_covers_the_included_header(monkeypatch, tmp_path):
+    """A change to rotary_avx2.h alone must build a new library, not reuse the cached one."""
+    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    sources = tmp_path / "csrc"
+    sources.mkdir()
+    for path in (cpu_library.SOURCE, *cpu_library.HEADERS):
+        (sources / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(cpu_library, "SOURCE", sources / cpu_library.SOURCE.name)
+    monkeypatch.setattr(cpu_library, "HEADERS", tuple(sources / p.name for p in cpu_library.HEADERS))
+    compiler = cpu_library._compiler()
+    first = cpu_library._build(compiler, ("-DROPEKIT_PORTABLE",))
+    header = cpu_library.HEADERS[0]
+    header.write_text(header.read_text() + "\n/* changed */\n")
+    assert cpu_library._build(compiler, ("-DROPEKIT_PORTABLE",)) != first

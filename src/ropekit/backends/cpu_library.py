@@ -3,7 +3,7 @@
 The shared library is built with ``cc -O3 -march=native -ffp-contract=off ...`` (see
 :data:`FLAG_SETS`) into a per-user cache (``$ROPEKIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/ropekit``, else ``~/.cache/ropekit``; a private temporary directory when that
-is not writable) under a name keyed by the source, flags, compiler version and CPU, written
+is not writable) under a name keyed by the sources, flags, compiler version and CPU, written
 atomically (temporary file, then ``os.replace``). ``ROPEKIT_CC`` (else ``CC``) picks the
 compiler; ``ROPEKIT_DISABLE_NATIVE=1`` turns the backend off.
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "rotary.c"
+HEADERS = (SOURCE.parent / "rotary_avx2.h",)  # included by SOURCE: part of the cache key
 # -ffp-contract=off: no FMA, so the arithmetic is the eager backend's, bit for bit.
 # -fno-tree-slp-vectorize: gcc 12's straight-line vectoriser turns the interleaved float64 pair
 # into vfmaddsub (a fused multiply-add) despite -ffp-contract=off; the loop vectoriser does not.
@@ -73,7 +74,7 @@ def _build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=60, check=False
     ).stdout
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in (SOURCE, *HEADERS))
     directory = cache_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True)
