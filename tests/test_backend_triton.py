@@ -489,6 +489,53 @@ def test_cuda_kernel_matches_reference(dtype, monkeypatch, launches):
     assert launches and all(call["int64"] is False for call in launches)
 
 
+# -- RotaryEmbedding on the Triton backend: one launch, rows gathered in the kernel -------------------
+@pytest.mark.parametrize("form", ["bhsd", "bshd", "packed"])
+@pytest.mark.parametrize("mode", ["default", "int_offset", "tensor_offset", "positions_1d", "positions_2d"])
+def test_rotary_embedding_is_one_launch(form, mode, launches):
+    """q and k of a RotaryEmbedding forward: a single kernel launch, equal to the eager module."""
+    if form == "packed" and mode in ("tensor_offset", "positions_2d"):
+        pytest.skip("packed tokens have no batch axis")
+    gen = torch.Generator().manual_seed(21)
+    q, k, seq_dim, _ = make_qk(form, 2, 5, 4, 2, 40, torch.bfloat16, gen)
+    kwargs = {"int_offset": {"offset": 300}, "tensor_offset": {"offset": torch.tensor([3, 700])},
+              "positions_1d": {"positions": torch.tensor([9, 0, 4, 4, 1000])},
+              "positions_2d": {"positions": torch.tensor([[9, 0, 4, 4, 1000], [1, 2, 3, 5, 8]])}}.get(mode, {})
+    fused = ropekit.RotaryEmbedding(40, rotary_dim=24, layout="interleaved", backend="triton")
+    eager = ropekit.RotaryEmbedding(40, rotary_dim=24, layout="interleaved", backend="torch")
+    got = fused(q, k, seq_dim=seq_dim, **kwargs)
+    assert len(launches) == 1 and launches[0]["gather"] is True
+    for a, b in zip(got, eager(q, k, seq_dim=seq_dim, **kwargs), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), atol=2**-6, rtol=2**-7)  # interpreter truncates
+
+
+def test_rotary_embedding_triton_inplace_gradients_and_errors(launches):
+    gen = torch.Generator().manual_seed(22)
+    dynamic = ropekit.scaling.DynamicNTK(factor=2.0, original_max_position_embeddings=8)
+    rope = ropekit.RotaryEmbedding(16, backend="triton", scaling=dynamic)
+    eager = ropekit.RotaryEmbedding(16, backend="torch", scaling=dynamic)
+    q = torch.randn(1, 2, 12, 16, generator=gen, requires_grad=True)  # past the original length: dynamic
+    k = torch.randn(1, 1, 12, 16, generator=gen, requires_grad=True)
+    out = rope(q, k)
+    want = eager(q, k)
+    for a, b in zip(out, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(out[0].sum() + out[1].sum(), (q, k))
+    expected = torch.autograd.grad(want[0].sum() + want[1].sum(), (q, k))
+    for a, b in zip(grads, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    q2, k2 = q.detach().clone(), k.detach().clone()
+    result = rope(q2, k2, offset=3, inplace=True)
+    assert result[0] is q2 and result[1] is k2
+    with pytest.raises(ValueError, match="batched positions"):
+        rope(q[0, 0], k[0, 0], positions=torch.arange(12)[None], seq_dim=0)
+    with pytest.raises(ValueError, match="positions has batch 3"):
+        rope(q, k, positions=torch.arange(12).expand(3, 12))
+    with pytest.raises(ValueError, match="offset must be"):
+        rope(q, k, offset=-1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_compile_inductor_and_int64(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")

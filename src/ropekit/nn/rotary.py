@@ -209,6 +209,8 @@ class RotaryEmbedding(nn.Module):
                 f"q and k must have the same length along seq_dim={seq_dim}, got {q.shape[seq_dim]} and "
                 f"{k.shape[seq_dim]}"
             )
+        if k is not None and self._fused_launch(q, k, seq_dim):
+            return self._rotate_qk_by_position(q, k, positions, offset, seq_dim, inplace)
         cos, sin = self._broadcast_tables(q, positions, offset, seq_dim)
         if k is None:
             return apply_rotary(q, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend), None
@@ -219,6 +221,54 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"k has head_dim {k.shape[-1]}, this RotaryEmbedding was built for {self.head_dim}")
         # one kernel call for both (a decode step crosses into the native kernel once)
         return apply_rotary_qk(q, k, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
+
+    def _fused_launch(self, q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> bool:
+        """Whether q and k go to the Triton kernel in one launch, their table rows looked up inside it.
+
+        On CUDA with the Triton backend ("auto" or "triton"; any device when Triton interprets),
+        for float32/16-bit q and k of 2 to 4 dims with one dtype and head_dim, when no
+        gradient has to reach the tables (they never need one here).
+        """
+        if self.backend not in ("auto", "triton") or (self.backend == "auto" and not q.is_cuda):
+            return False
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dtype != k.dtype:
+            return False
+        if not 2 <= q.dim() <= 4 or k.dim() != q.dim() or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
+            return False
+        if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not isinstance(seq_dim, int):
+            return False
+        from ..backends import triton_rotary
+
+        return triton_rotary.can_launch(q) and k.device == q.device
+
+    def _rotate_qk_by_position(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, offset: Any, seq_dim: int,
+        inplace: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Triton launch for q and k, gathering each token's row of the full tables in the kernel."""
+        from ..backends import triton_api
+
+        # the checks of _broadcast_tables, without gathering the rows
+        if q.shape[-1] != self.head_dim:
+            raise ValueError(f"x has head_dim {q.shape[-1]}, this RotaryEmbedding was built for {self.head_dim}")
+        ndim = q.dim()
+        if not -ndim <= seq_dim < ndim - 1 or seq_dim % ndim == ndim - 1:
+            raise ValueError(f"seq_dim must name an axis of x other than the last, got {seq_dim} for {ndim}-D x")
+        _, needed = self._positions(q.shape[seq_dim], positions, offset, q.device)
+        if positions is not None and positions.dim() == 2:
+            if seq_dim % ndim == 0:
+                raise ValueError("batched positions (batch, seq) need a batch axis before the sequence axis")
+            if positions.shape[0] not in (1, q.shape[0]):
+                raise ValueError(f"positions has batch {positions.shape[0]} but x has batch {q.shape[0]}")
+        self._refresh_dynamic(needed)
+        cos_table, sin_table = self.tables(max(needed, 1), q.device)
+        if positions is not None:
+            positions = positions.to(q.device)
+        elif isinstance(offset, torch.Tensor):
+            offset = offset.to(q.device).reshape(-1)
+        return triton_api.rotate_qk(q, k, cos_table, sin_table, positions=positions,
+                                    offsets=0 if positions is not None else offset, seq_dim=seq_dim,
+                                    layout=self.layout, inplace=inplace)
 
     # -- construction from configs ------------------------------------------------------------
     @classmethod
