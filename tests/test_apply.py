@@ -342,3 +342,22 @@ def test_inplace_bumps_the_version_so_autograd_sees_the_change(backend):
         assert q._version > before
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
+
+
+def test_repeated_call_takes_the_fast_path_and_still_checks_new_signatures(monkeypatch):
+    from ropekit import functional
+
+    cos, sin = cos_sin(torch.arange(3), base_inv_freq(8))
+    x = torch.randn(2, 3, 8)
+    monkeypatch.setattr(functional, "_fast_single", {})
+    first = apply_rotary(x, cos, sin)
+    real = functional._expand_tables
+    monkeypatch.setattr(functional, "_expand_tables", lambda *args: pytest.fail("checks ran again"))
+    torch.testing.assert_close(apply_rotary(x, cos, sin), first, rtol=0, atol=0)  # fast path
+    monkeypatch.setattr(functional, "_expand_tables", real)
+    with pytest.raises(ValueError, match="do not broadcast"):  # another signature: checked
+        apply_rotary(torch.randn(2, 4, 8), cos, sin)
+    with pytest.raises(ValueError, match="layout"):
+        apply_rotary(x, cos, sin, layout="neox")
+    x.requires_grad_(True)  # a gradient to record: the autograd path, not the fast one
+    assert apply_rotary(x, cos, sin).grad_fn is not None

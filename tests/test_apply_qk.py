@@ -115,12 +115,15 @@ def test_decode_step_is_one_native_call(monkeypatch):
     monkeypatch.setitem(cpu_native._state, "functions", counting(singles, "single"))
     monkeypatch.setattr(functional, "_fast_pair", {})
     cpu_native._pair_prepared.clear()
+    expected = apply_rotary(q, cos, sin, backend="torch"), apply_rotary(k, cos, sin, backend="torch")
     for step in range(1, 4):
         q_out, k_out = apply_rotary_qk(q, k, cos, sin)
         assert calls == {"team": step, "single": 0}
         assert len(functional._fast_pair) == 1
-        assert_bits(q_out, apply_rotary(q, cos, sin, backend="torch"))
-        assert_bits(k_out, apply_rotary(k, cos, sin, backend="torch"))
+        # the next calls take the fast path: they never reach the checks
+        monkeypatch.setattr(functional, "_expand_tables", lambda *args: pytest.fail("checks ran again"))
+        assert_bits(q_out, expected[0])
+        assert_bits(k_out, expected[1])
     cpu_native._pair_prepared.clear()
 
 

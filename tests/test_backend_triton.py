@@ -537,6 +537,26 @@ def test_rotary_embedding_triton_inplace_gradients_and_errors(launches):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_rotary_embedding_and_apply_rotary_qk(monkeypatch, launches):
+    """The module's default ("auto") path on a GPU: one launch for q and k, against the float64 oracle."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = torch.Generator().manual_seed(23)
+    rope = ropekit.RotaryEmbedding(128, base=500000.0)
+    q = torch.randn(4, 32, 1, 128, generator=gen).to(torch.bfloat16).cuda()
+    k = torch.randn(4, 8, 1, 128, generator=gen).to(torch.bfloat16).cuda()
+    offsets = torch.tensor([5, 70, 4000, 9000])
+    q_out, k_out = rope(q, k, offset=offsets.cuda())  # a decode step, one position per sequence
+    assert len(launches) == 1
+    pos = offsets.reshape(4, 1, 1)
+    assert_matches(q_out, q, pos, rope.inv_freq, "half")
+    assert_matches(k_out, k, pos, rope.inv_freq, "half")
+    cos, sin = rope.cos_sin(pos.cuda())
+    q2, k2 = ropekit.apply_rotary_qk(q, k, cos, sin)
+    torch.testing.assert_close(q2, q_out, atol=0, rtol=0)
+    torch.testing.assert_close(k2, k_out, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_compile_inductor_and_int64(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     torch._dynamo.reset()

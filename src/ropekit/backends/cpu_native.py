@@ -59,7 +59,7 @@ _state: dict[str, object] = {}
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
 _prepared: dict[tuple, tuple] = {}  # rotate's parameter cache, see there
-_pair_prepared: dict[tuple, tuple | None] = {}  # rotate_pair's, see there
+_pair_prepared: dict[tuple, Callable | None] = {}  # rotate_pair's prepared calls, see there
 
 
 def _load() -> dict[torch.dtype, object]:
@@ -302,25 +302,17 @@ def rotate_pair(
            cos_q.dtype, cos_q.shape, cos_q.stride(), cos_q.is_cpu, sin_q.dtype, sin_q.stride(), sin_q.is_cpu,
            cos_k.dtype, cos_k.shape, cos_k.stride(), cos_k.is_cpu, sin_k.dtype, sin_k.stride(), sin_k.is_cpu,
            layout, conjugate, inplace, TEAM_MIN_BYTES, PARALLEL_MIN_BYTES, PLAN_MIN_BYTES, STREAMS)
-    plan = _pair_prepared.get(key, False)
-    if plan is False:
+    run = _pair_prepared.get(key, False)
+    if run is False:
         plan = _prepare_pair(q, k, cos_q, sin_q, cos_k, sin_k, layout, conjugate, inplace)
+        run = None if plan is None else _team_call(plan, inplace)
         if len(_pair_prepared) >= 256:
             _pair_prepared.clear()
-        _pair_prepared[key] = plan
-    if plan is None:
+        _pair_prepared[key] = run
+    if run is None:
         return (rotate(q, cos_q, sin_q, layout=layout, conjugate=conjugate, inplace=inplace),
                 rotate(k, cos_k, sin_k, layout=layout, conjugate=conjugate, inplace=inplace))
-    team, address_q, address_k, nbytes = plan[:4]
-    q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
-    threads = torch.get_num_threads() if nbytes >= TEAM_MIN_BYTES else 1
-    status = team(q.data_ptr(), q_out.data_ptr(), cos_q.data_ptr(), sin_q.data_ptr(), address_q,
-                  k.data_ptr(), k_out.data_ptr(), cos_k.data_ptr(), sin_k.data_ptr(), address_k, threads)
-    if status != 0:
-        raise RuntimeError(f"ropekit native kernel rejected its arguments (status {status}); this is a bug")
-    if inplace:
-        increment_version((q, k))
-    return q_out, k_out
+    return run(q, k, cos_q, sin_q, cos_k, sin_k)
 
 
 def runner(
@@ -338,14 +330,15 @@ def runner(
     if plan is None:
         return None
     team, address, _, nbytes = plan[:4]
+    empty = (None,) * 5
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan=plan) -> torch.Tensor:
         out = x if inplace else torch.empty_like(x)
         threads = torch.get_num_threads() if nbytes >= TEAM_MIN_BYTES else 1
-        if team(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), address, None, None, None, None, None,
-                threads) != 0:
-            raise RuntimeError("ropekit native kernel rejected its arguments; this is a bug")
-        if inplace:
+        status = team(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), address, *empty, threads)
+        if status != 0:
+            raise RuntimeError(f"ropekit native kernel rejected its arguments (status {status}); this is a bug")
+        if inplace:  # what torch's own in-place ops do: autograd then sees that x changed
             increment_version(x)
         return out
 
@@ -365,24 +358,35 @@ def pair_runner(
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
     """:func:`runner` for q and k: ``run(q, k, cos, sin)`` makes one native call, or None.
 
-    ``cos_k``/``sin_k`` must be views of the memory of ``cos_q``/``sin_q`` (``run`` reads one
-    address per table).
+    ``cos_k``/``sin_k`` must be views of the memory of ``cos_q``/``sin_q`` (``run`` gets one
+    tensor per table and passes it for both).
     """
     if cos_k.data_ptr() != cos_q.data_ptr() or sin_k.data_ptr() != sin_q.data_ptr():
         return None
     plan = _prepare_pair(q, k, cos_q, sin_q, cos_k, sin_k, layout, False, inplace)
     if plan is None:
         return None
+    return _team_call(plan, inplace)
+
+
+def _team_call(plan: tuple, inplace: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``run(q, k, cos_q, sin_q, cos_k=cos_q, sin_k=sin_q) -> (q_out, k_out)``: one kernel call.
+
+    The plan (see :func:`_prepare_pair`) holds the parameter blocks the kernel reads; the
+    closure keeps it alive. This is the decode hot path: nothing here that a step can skip.
+    """
     team, address_q, address_k, nbytes = plan[:4]
 
-    def run(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan=plan):
+    def run(q, k, cos_q, sin_q, cos_k=None, sin_k=None, plan=plan):
+        if cos_k is None:
+            cos_k, sin_k = cos_q, sin_q
         q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
-        c, s = cos.data_ptr(), sin.data_ptr()
         threads = torch.get_num_threads() if nbytes >= TEAM_MIN_BYTES else 1
-        if team(q.data_ptr(), q_out.data_ptr(), c, s, address_q, k.data_ptr(), k_out.data_ptr(), c, s, address_k,
-                threads) != 0:
-            raise RuntimeError("ropekit native kernel rejected its arguments; this is a bug")
-        if inplace:
+        status = team(q.data_ptr(), q_out.data_ptr(), cos_q.data_ptr(), sin_q.data_ptr(), address_q,
+                      k.data_ptr(), k_out.data_ptr(), cos_k.data_ptr(), sin_k.data_ptr(), address_k, threads)
+        if status != 0:
+            raise RuntimeError(f"ropekit native kernel rejected its arguments (status {status}); this is a bug")
+        if inplace:  # what torch's own in-place ops do: autograd then sees that they changed
             increment_version((q, k))
         return q_out, k_out
 

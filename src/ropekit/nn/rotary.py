@@ -229,9 +229,9 @@ class RotaryEmbedding(nn.Module):
         for float32/16-bit q and k of 2 to 4 dims with one dtype and head_dim, when no
         gradient has to reach the tables (they never need one here).
         """
-        if self.backend not in ("auto", "triton") or (self.backend == "auto" and not q.is_cuda):
-            return False
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dtype != k.dtype:
+            return False
+        if self.backend not in ("auto", "triton") or (self.backend == "auto" and not q.is_cuda):
             return False
         if not 2 <= q.dim() <= 4 or k.dim() != q.dim() or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
             return False
