@@ -145,9 +145,10 @@ def apply_rotary_qk(
     """:func:`apply_rotary` for queries and keys sharing one pair of tables, in one kernel call.
 
     What transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` does, with ropekit's
-    half-width tables. On the CPU a decode step (q and k together under 1 MiB) crosses into
-    the native kernel once instead of twice; larger inputs and other backends rotate q and k
-    one after the other. Results are those of two :func:`apply_rotary` calls, bit for bit.
+    half-width tables. On the CPU q and k cross into the native kernel once (their rows split
+    over torch's threads together), which halves the fixed cost of a decode step; other
+    backends rotate q and k one after the other. Results are those of two
+    :func:`apply_rotary` calls, bit for bit.
 
     Args:
         q: queries of shape ``(..., head_dim)``, e.g. ``(batch, q_heads, seq, head_dim)``.
@@ -194,7 +195,7 @@ def apply_rotary_qk(
     pair = backends.pair_of(rotate)
     if grad and (q.requires_grad or k.requires_grad):
         return _RotaryPair.apply(q, k, cos_q, sin_q, cos_k, sin_k, layout, inplace, pair)
-    if key is not None and cos_q.data_ptr() == cos.data_ptr() and sin_q.data_ptr() == sin.data_ptr():
+    if key is not None:  # the expanded tables are views of cos/sin: the runner reads those
         _remember(_fast_pair, key, backends.pair_runner(rotate, q, k, cos_q, sin_q, cos_k, sin_k, layout=layout,
                                                         inplace=inplace))
     return pair(q, k, cos_q, sin_q, cos_k, sin_k, layout=layout, conjugate=False, inplace=inplace)
@@ -251,7 +252,6 @@ def apply_rotary(
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
     key = _signature((x, cos, sin), (layout, inplace, backend))
-    tables = cos, sin
     cos, sin = _expand_tables(x, cos, sin)
     rotate = backends.select(backend, x)
     tables_need_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
@@ -264,7 +264,7 @@ def apply_rotary(
         return x.copy_(rotated)
     if torch.is_grad_enabled() and x.requires_grad:
         return _Rotary.apply(x, cos, sin, layout, inplace, rotate)
-    if key is not None and cos.data_ptr() == tables[0].data_ptr() and sin.data_ptr() == tables[1].data_ptr():
+    if key is not None:  # the expanded tables are views of the caller's: the runner reads those
         _remember(_fast_single, key, backends.runner(rotate, x, cos, sin, layout=layout, inplace=inplace))
     return rotate(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)
 

@@ -140,10 +140,13 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"offset must be a non-negative int or a (batch,) integer tensor, got {offset!r}")
         return steps + offset, offset + seq
 
-    def _broadcast_tables(
+    def _checked_positions(
         self, x: torch.Tensor, positions: torch.Tensor | None, offset: Any, seq_dim: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validate ``x`` and return cos/sin viewed with ``x.dim()`` dimensions for :func:`apply_rotary`."""
+    ) -> tuple[int, torch.Tensor, int]:
+        """Validate ``x`` against this module: ``(sequence axis, positions, one past the largest)``.
+
+        The positions are ``(seq,)`` or ``(batch, seq)`` (see :meth:`_positions`).
+        """
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             raise ValueError(f"x must be a tensor with a sequence and a channel axis, got {getattr(x, 'shape', x)}")
         if x.shape[-1] != self.head_dim:
@@ -153,15 +156,23 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"seq_dim must name an axis of x other than the last, got {seq_dim} for {ndim}-D x")
         axis = seq_dim % ndim
         pos, needed = self._positions(x.shape[axis], positions, offset, x.device)
-        cos, sin = self._gather(pos, needed)
-        view = [1] * ndim
-        view[axis] = x.shape[axis]
-        view[-1] = self.rotary_dim // 2
         if pos.dim() == 2:
             if axis == 0:
                 raise ValueError("batched positions (batch, seq) need a batch axis before the sequence axis")
             if pos.shape[0] not in (1, x.shape[0]):
                 raise ValueError(f"positions has batch {pos.shape[0]} but x has batch {x.shape[0]}")
+        return axis, pos, needed
+
+    def _broadcast_tables(
+        self, x: torch.Tensor, positions: torch.Tensor | None, offset: Any, seq_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate ``x`` and return cos/sin viewed with ``x.dim()`` dimensions for :func:`apply_rotary`."""
+        axis, pos, needed = self._checked_positions(x, positions, offset, seq_dim)
+        cos, sin = self._gather(pos, needed)
+        view = [1] * x.dim()
+        view[axis] = x.shape[axis]
+        view[-1] = self.rotary_dim // 2
+        if pos.dim() == 2:
             view[0] = pos.shape[0]
         return cos.reshape(view), sin.reshape(view)
 
@@ -226,8 +237,7 @@ class RotaryEmbedding(nn.Module):
         """Whether q and k go to the Triton kernel in one launch, their table rows looked up inside it.
 
         On CUDA with the Triton backend ("auto" or "triton"; any device when Triton interprets),
-        for float32/16-bit q and k of 2 to 4 dims with one dtype and head_dim, when no
-        gradient has to reach the tables (they never need one here).
+        for float32/16-bit q and k of 2 to 4 dims with one dtype, batch and head_dim.
         """
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dtype != k.dtype:
             return False
@@ -248,18 +258,7 @@ class RotaryEmbedding(nn.Module):
         """One Triton launch for q and k, gathering each token's row of the full tables in the kernel."""
         from ..backends import triton_api
 
-        # the checks of _broadcast_tables, without gathering the rows
-        if q.shape[-1] != self.head_dim:
-            raise ValueError(f"x has head_dim {q.shape[-1]}, this RotaryEmbedding was built for {self.head_dim}")
-        ndim = q.dim()
-        if not -ndim <= seq_dim < ndim - 1 or seq_dim % ndim == ndim - 1:
-            raise ValueError(f"seq_dim must name an axis of x other than the last, got {seq_dim} for {ndim}-D x")
-        _, needed = self._positions(q.shape[seq_dim], positions, offset, q.device)
-        if positions is not None and positions.dim() == 2:
-            if seq_dim % ndim == 0:
-                raise ValueError("batched positions (batch, seq) need a batch axis before the sequence axis")
-            if positions.shape[0] not in (1, q.shape[0]):
-                raise ValueError(f"positions has batch {positions.shape[0]} but x has batch {q.shape[0]}")
+        _, _, needed = self._checked_positions(q, positions, offset, seq_dim)  # rows gathered in the kernel
         self._refresh_dynamic(needed)
         cos_table, sin_table = self.tables(max(needed, 1), q.device)
         if positions is not None:
