@@ -47,13 +47,13 @@ def test_logits_match_and_unpatch_restores(family, monkeypatch):
     import ropekit.integrations.transformers as integ
 
     calls = []
-    real = integ.apply_rotary
-    monkeypatch.setattr(integ, "apply_rotary", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = integ.apply_rotary_qk
+    monkeypatch.setattr(integ, "apply_rotary_qk", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = tiny(family)
     ref = logits(model, IDS)
     patch(model)
     out = logits(model, IDS)
-    assert len(calls) == 4  # q and k of two layers went through ropekit
+    assert len(calls) == 2  # q and k of two layers went through ropekit
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     unpatch(model)
     assert torch.equal(logits(model, IDS), ref)
@@ -67,11 +67,11 @@ def test_patch_really_uses_ropekit(monkeypatch):
     import ropekit.integrations.transformers as integ
 
     calls = []
-    real = integ.apply_rotary
-    monkeypatch.setattr(integ, "apply_rotary", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = integ.apply_rotary_qk
+    monkeypatch.setattr(integ, "apply_rotary_qk", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = patch(tiny("llama"))
     logits(model, IDS)
-    assert len(calls) == 2 * 2  # q and k, two layers
+    assert len(calls) == 2  # q and k together, two layers
     unpatch(model)
 
 

@@ -8,7 +8,7 @@ Works for the families whose modeling file has a model-level ``*RotaryEmbedding`
   ``(batch, seq, rotary_dim)`` (halves duplicated, as Hugging Face lays them out) computed by
   :func:`ropekit.cos_sin` from float64 angles, whatever the activation dtype;
 * wraps each attention module's ``forward`` so that, while it runs, the modeling module's
-  ``apply_rotary_pos_emb`` rotates q/k with :func:`ropekit.apply_rotary` (in ``rope.layout``, float32
+  ``apply_rotary_pos_emb`` rotates q/k with :func:`ropekit.apply_rotary_qk` (in ``rope.layout``, float32
   arithmetic, result in q's dtype). Other (unpatched) models sharing the modeling module keep the
   original function: the replacement falls through to it when no patched attention is running.
 
@@ -26,7 +26,7 @@ import torch
 
 from ..config import RopeConfig
 from ..frequencies import cos_sin
-from ..functional import apply_rotary
+from ..functional import apply_rotary_qk
 
 _ACTIVE: list[tuple[str, str]] = []  # (layout, backend) of the patched attention now running
 _INSTALLED: dict[str, list[Any]] = {}  # modeling module name -> [original apply_rotary_pos_emb, users]
@@ -43,8 +43,7 @@ def _dispatcher(original):
         half = cos.shape[-1] // 2  # full-width tables hold each half-table twice
         cos_h = cos[..., :half].float().unsqueeze(unsqueeze_dim)
         sin_h = sin[..., :half].float().unsqueeze(unsqueeze_dim)
-        return (apply_rotary(q, cos_h, sin_h, layout=layout, backend=backend),
-                apply_rotary(k, cos_h, sin_h, layout=layout, backend=backend))
+        return apply_rotary_qk(q, k, cos_h, sin_h, layout=layout, backend=backend)
 
     apply_rotary_pos_emb.__ropekit_original__ = original
     return apply_rotary_pos_emb
