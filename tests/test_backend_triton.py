@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 
 import ropekit  # noqa: E402
 from ropekit import apply_reference, base_inv_freq, cos_sin  # noqa: E402
-from ropekit.backends import triton_api, triton_rotary  # noqa: E402
+from ropekit.backends import triton_api, triton_pair, triton_rotary  # noqa: E402, F401 - registers the pair ops
 
 # The variable is needed while triton is first imported; afterwards only our tests need it
 # (per test, below), so the rest of the suite sees the environment it started with.
@@ -361,6 +361,8 @@ def test_custom_ops_pass_opcheck():
         (ops.triton_rotary_qk, (packed, packed, cos, sin, None, None, 0, cu, None, 0, "interleaved", False)),
         (ops.triton_rotary, (q, c, s, "interleaved", False)),
         (ops.triton_rotary_, (q.detach().clone(), c, s, "half", True)),
+        (ops.triton_rotary_pair, (q, k, c, s, "interleaved", False)),
+        (ops.triton_rotary_pair_, (q.detach().clone(), k.detach().clone(), c, s, "half", True)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -404,6 +406,24 @@ def test_compile_fullgraph_backward_and_apply_rotary(monkeypatch):
     got = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(*inputs), inputs)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_compile_fullgraph_traces_the_pair_op(monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setitem(ropekit.backends._BACKENDS, "triton", triton_api.rotate)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    _, cos, sin = tables(16)
+    step = lambda q, k: ropekit.apply_rotary_qk(q, k, cos[:5], sin[:5], backend="triton")  # noqa: E731
+    q, k = torch.randn(2, 4, 5, 24), torch.randn(2, 1, 5, 24)
+    got = torch.compile(step, fullgraph=True, backend=recording)(q, k)
+    for a, b in zip(got, step(q, k), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert len(graphs) == 1 and "triton_rotary_pair" in graphs[0]
 
 
 def test_without_interpreter_cpu_falls_back_to_eager(monkeypatch, launches):
@@ -487,6 +507,63 @@ def test_cuda_kernel_matches_reference(dtype, monkeypatch, launches):
     (grad,) = torch.autograd.grad(out, packed, torch.ones_like(out))
     assert_matches(grad, torch.ones_like(packed), positions.reshape(600, 1), inv_freq, "interleaved", negate=True)
     assert launches and all(call["int64"] is False for call in launches)
+
+
+# -- apply_rotary_qk on the Triton backend: q and k in one launch with broadcast tables -------------
+@pytest.mark.parametrize("form", ["bhsd", "bshd", "packed", "five_dims", "same_heads"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_apply_rotary_qk_is_one_launch(form, inplace, launches):
+    gen = torch.Generator().manual_seed(24)
+    inv_freq, cos, sin = tables(24)
+    q_shape, k_shape, table = {
+        "bhsd": ((2, 6, 5, 40), (2, 2, 5, 40), lambda t: t[:5]),
+        "bshd": ((2, 5, 6, 40), (2, 5, 3, 40), lambda t: t[:5, None]),
+        "packed": ((7, 4, 40), (7, 1, 40), lambda t: t[:7, None]),
+        "five_dims": ((3, 2, 4, 5, 40), (3, 2, 1, 5, 40), lambda t: t[:5]),
+        "same_heads": ((2, 3, 5, 40), (2, 3, 5, 40), lambda t: t[:5]),
+    }[form]
+    q = torch.randn(q_shape, generator=gen).bfloat16()
+    k = torch.randn(k_shape, generator=gen).bfloat16()
+    q_in, k_in = (q.clone(), k.clone()) if inplace else (q, k)
+    q_out, k_out = ropekit.apply_rotary_qk(q_in, k_in, table(cos), table(sin), layout="interleaved", inplace=inplace,
+                                           backend="triton")
+    assert len(launches) == 1 and launches[0]["gather"] is False
+    assert (q_out is q_in and k_out is k_in) == inplace
+    seq_axis = {"bhsd": 2, "bshd": 1, "packed": 0, "five_dims": 3, "same_heads": 2}[form]
+    for x, out in ((q, q_out), (k, k_out)):
+        view = [1] * (x.dim() - 1)
+        view[seq_axis] = x.shape[seq_axis]
+        assert_matches(out, x, torch.arange(x.shape[seq_axis]).reshape(view), inv_freq, "interleaved")
+
+
+def test_apply_rotary_qk_triton_gradients_and_fallbacks(launches):
+    gen = torch.Generator().manual_seed(25)
+    _, cos, sin = tables(16)
+    q = torch.randn(2, 4, 6, 24, generator=gen, requires_grad=True)
+    k = torch.randn(2, 2, 6, 24, generator=gen, requires_grad=True)
+    out = ropekit.apply_rotary_qk(q, k, cos[:6], sin[:6], backend="triton")
+    want = ropekit.apply_rotary_qk(q, k, cos[:6], sin[:6], backend="torch")
+    weights = torch.randn(q.shape, generator=gen), torch.randn(k.shape, generator=gen)
+    got = torch.autograd.grad((out[0] * weights[0]).sum() + (out[1] * weights[1]).sum(), (q, k))
+    expected = torch.autograd.grad((want[0] * weights[0]).sum() + (want[1] * weights[1]).sum(), (q, k))
+    for a, b in zip((*out, *got), (*want, *expected), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert len(launches) == 2  # forward and backward, one launch each
+    # per-head tables (heads merge with the tokens): still one launch
+    launches.clear()
+    per_head = cos[:12].reshape(1, 2, 6, 8), sin[:12].reshape(1, 2, 6, 8)
+    q2, k2 = q.detach()[:, :2], k.detach()
+    got = ropekit.apply_rotary_qk(q2, k2, *per_head, backend="triton")
+    assert len(launches) == 1
+    for a, b in zip(got, ropekit.apply_rotary_qk(q2, k2, *per_head, backend="torch"), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    # q and k differing along two axes (batch and heads) cannot share one: one launch per tensor
+    launches.clear()
+    k3 = k.detach()[:1]
+    got = ropekit.apply_rotary_qk(q.detach(), k3, cos[:6], sin[:6], backend="triton")
+    assert len(launches) == 2
+    for a, b in zip(got, ropekit.apply_rotary_qk(q.detach(), k3, cos[:6], sin[:6], backend="torch"), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 # -- RotaryEmbedding on the Triton backend: one launch, rows gathered in the kernel -------------------

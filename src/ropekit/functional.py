@@ -146,9 +146,8 @@ def apply_rotary_qk(
 
     What transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` does, with ropekit's
     half-width tables. On the CPU q and k cross into the native kernel once (their rows split
-    over torch's threads together), which halves the fixed cost of a decode step; other
-    backends rotate q and k one after the other. Results are those of two
-    :func:`apply_rotary` calls, bit for bit.
+    over torch's threads together), which halves the fixed cost of a decode step; on CUDA they
+    are one Triton launch. Results are those of two :func:`apply_rotary` calls.
 
     Args:
         q: queries of shape ``(..., head_dim)``, e.g. ``(batch, q_heads, seq, head_dim)``.
@@ -186,7 +185,11 @@ def apply_rotary_qk(
         raise ValueError(f"q is on {q.device} but k is on {k.device}")
     key = _signature((q, k, cos, sin), (layout, inplace, backend))
     cos_q, sin_q = _expand_tables(q, cos, sin)
-    cos_k, sin_k = (cos_q, sin_q) if k.shape[:-1] == q.shape[:-1] else _expand_tables(k, cos, sin)
+    cos_k, sin_k = cos_q, sin_q
+    if k.shape[:-1] != q.shape[:-1]:
+        cos_k, sin_k = _expand_tables(k, cos, sin)  # checked against k too
+        if k.dim() == q.dim():  # the same views: pass the same objects (one launch on Triton)
+            cos_k, sin_k = cos_q, sin_q
     grad = torch.is_grad_enabled()
     if grad and (cos.requires_grad or sin.requires_grad):
         return (apply_rotary(q, cos, sin, layout=layout, inplace=inplace, backend=backend),

@@ -35,7 +35,7 @@ def _triton_rotate() -> RotateFn | None:
     if "triton" not in _BACKENDS:
         if importlib.util.find_spec("triton") is None:
             return None
-        from . import triton_api, triton_rotary
+        from . import triton_api, triton_pair, triton_rotary  # noqa: F401 - triton_pair registers its ops
 
         if not triton_rotary.is_available():
             return None
@@ -72,6 +72,10 @@ def pair_of(rotate: RotateFn) -> PairFn:
     """
     if rotate is cpu_native.rotate:
         return cpu_native.rotate_pair
+    if rotate is _BACKENDS.get("triton"):
+        from . import triton_pair
+
+        return triton_pair.rotate_pair
     cached = _PAIRS.get(rotate)
     if cached is not None:
         return cached

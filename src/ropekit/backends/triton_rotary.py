@@ -357,3 +357,41 @@ def launch_rotate_qk(
         offsets=offsets, offset=offset, cu_seqlens=cu_seqlens, inplace=inplace,
         int64=needs_int64(*_extents(*tensors), batch * seqlen * (heads[0] + heads[1])),
     )
+
+
+def launch_rotate_pair(
+    q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, *, layout: str, conjugate: bool, inplace: bool,
+) -> bool:
+    """Rotate q and k with the same broadcast tables (``x.dim()`` dims each) in one launch.
+
+    q and k may differ along one axis, the heads (GQA), where the tables must have size 1; the
+    other leading axes must collapse to two (the kernel's batch and seq). Returns False, having
+    launched nothing, when the shapes do not allow one launch.
+    """
+    if not q.dim() == k.dim() == cos.dim() or q.numel() == 0 or k.numel() == 0:
+        return False
+    differ = [axis for axis in range(q.dim() - 1) if q.shape[axis] != k.shape[axis]]
+    if len(differ) > 1 or (differ and cos.shape[differ[0]] != 1):
+        return False
+    if differ:  # the heads axis next to the channels
+        views = [t.movedim(differ[0], -2) for t in (q, q_out, k, k_out, cos, sin)]
+    else:  # a heads axis of one for both
+        views = [t.unsqueeze(-2) for t in (q, q_out, k, k_out, cos, sin)]
+    lead = tuple(views[0].shape[:-2])
+    half = cos.shape[-1]
+    views[4:] = [t.expand(*lead, 1, half) for t in views[4:]]
+    axes = _collapse(lead, [t.stride()[:-2] for t in views])
+    if len(axes) > 2:
+        return False
+    axes = [(1, [0] * 6)] * (2 - len(axes)) + axes  # a lone axis is the tiled (seq) one
+    (batch, sb), (seqlen, ss) = axes
+    heads = (views[0].shape[-2], views[2].shape[-2])
+    v4 = [View4(t, (sb[i], ss[i], 0 if i >= 4 else t.stride(-2), t.stride(-1))) for i, t in enumerate(views)]
+    launch(
+        v4[0], v4[1], v4[2], v4[3], heads, cos, sin, v4[4].strides, v4[5].strides,
+        batch=batch, seqlen=seqlen, rotary_dim=2 * half, head_dim=q.shape[-1], layout=layout,
+        conjugate=conjugate, gather=False, inplace=inplace,
+        int64=needs_int64(*_extents(q, k, q_out, k_out, cos, sin), batch * seqlen * (heads[0] + heads[1])),
+    )
+    return True
