@@ -12,6 +12,10 @@ the semantics of :func:`ropekit.backends.torch_eager.rotate`:
 ``"auto"`` picks triton for CUDA tensors when triton is installed, the native kernel for
 CPU tensors when a C compiler is available, and the torch backend otherwise. The reference
 backend (:mod:`ropekit.backends.reference`) is the float64 oracle and is not selectable here.
+
+:func:`pair_of` gives a backend's q-and-k form (one native call on the CPU, one Triton launch
+on CUDA, else two ``rotate`` calls); :func:`runner` and :func:`pair_runner` give the prepared
+calls behind ``apply_rotary``'s decode fast path.
 """
 
 from __future__ import annotations
