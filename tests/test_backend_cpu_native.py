@@ -554,3 +554,40 @@ def test_cache_key_covers_the_included_header(monkeypatch, tmp_path):
     header = cpu_library.HEADERS[0]
     header.write_text(header.read_text() + "\n/* changed */\n")
     assert cpu_library._build(compiler, ("-DROPEKIT_PORTABLE",)) != first
+
+
+FORK_SCRIPT = r"""
+import os, sys, torch, ropekit
+torch.set_num_threads(2)
+q, k = torch.randn(16, 32, 1, 128), torch.randn(16, 8, 1, 128)
+cos, sin = ropekit.cos_sin(torch.arange(16)[:, None, None] * 7, ropekit.inv_frequencies(128)[0])
+expected = ropekit.apply_rotary_qk(q, k, cos, sin, backend="torch")
+ropekit.apply_rotary_qk(q, k, cos, sin)  # the parent's OpenMP team is up
+big = torch.randn(8, 32, 64, 128)
+ropekit.apply_rotary(big, cos[:1, 0], sin[:1, 0])
+pid = os.fork()
+if pid == 0:
+    got = ropekit.apply_rotary_qk(q, k, cos, sin)  # prepared in the parent (fast path)
+    fresh = ropekit.apply_rotary_qk(q[:8], k[:8], cos[:8], sin[:8])  # prepared here
+    alone = ropekit.apply_rotary(big, cos[:1, 0], sin[:1, 0])
+    torch.set_num_threads(1)  # torch's own ops would wait for the parent's threads too
+    ok = all(torch.equal(a, b) for a, b in zip(got, expected)) and torch.equal(fresh[1], expected[1][:8])
+    ok = ok and torch.equal(alone, ropekit.apply_rotary(big, cos[:1, 0], sin[:1, 0], backend="torch"))
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_runs_the_kernel_without_the_parents_threads(tmp_path):
+    """libgomp's team does not survive fork: a child must not wait for the parent's threads."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fork.py"
+    script.write_text(FORK_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -15,7 +15,9 @@ threads of torch's own OpenMP team (the kernel calls the ``GOMP_parallel`` of th
 runtime torch has loaded, found once in the process's memory map): no second pool competes
 with torch's threads, and waking them costs what it costs torch's own parallel ops. Where no
 such runtime is found, tensors from ``PARALLEL_MIN_BYTES`` on are split into chunks of rows run
-by a shared Python thread pool instead (ctypes releases the GIL during the call).
+by a shared Python thread pool instead (ctypes releases the GIL during the call). A child
+forked from this process runs the kernel on one thread (or the Python pool for large tensors):
+an OpenMP team does not survive ``fork``.
 From ``PLAN_MIN_BYTES`` on, rows are visited in memory order, a few streams at a time
 (:func:`_plan`): one core then moves about as many bytes per second as ``x.mul_(1.0)``.
 See ``benchmarks/cpu_floor.py``.
@@ -59,6 +61,18 @@ _state: dict[str, object] = {}
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
 _prepared: dict[tuple, tuple] = {}  # rotate's parameter cache, see there
+# True in a child forked from this process: an OpenMP team does not survive fork (libgomp then
+# waits for threads that no longer exist), so the child runs the kernel on its own thread.
+_forked = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 _pair_prepared: dict[tuple, Callable | None] = {}  # rotate_pair's prepared calls, see there
 
 
@@ -259,7 +273,7 @@ def rotate(
     params, rows, nbytes, cos, sin = prepared
     out = x if inplace else torch.empty_like(x)
     args = (x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), params.buffer_info()[0])
-    if _state["openmp"] and nbytes >= TEAM_MIN_BYTES:
+    if _state["openmp"] and nbytes >= TEAM_MIN_BYTES and not _forked:
         status = _state["teams"][x.dtype](*args, None, None, None, None, None, torch.get_num_threads())  # type: ignore[index]
     elif nbytes < PARALLEL_MIN_BYTES:
         status = fn(*args, 0, rows)
@@ -334,7 +348,7 @@ def runner(
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan=plan) -> torch.Tensor:
         out = x if inplace else torch.empty_like(x)
-        threads = torch.get_num_threads() if nbytes >= TEAM_MIN_BYTES else 1
+        threads = torch.get_num_threads() if nbytes >= TEAM_MIN_BYTES and not _forked else 1
         status = team(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), address, *empty, threads)
         if status != 0:
             raise RuntimeError(f"ropekit native kernel rejected its arguments (status {status}); this is a bug")
@@ -381,7 +395,7 @@ def _team_call(plan: tuple, inplace: bool) -> Callable[..., tuple[torch.Tensor, 
         if cos_k is None:
             cos_k, sin_k = cos_q, sin_q
         q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
-        threads = torch.get_num_threads() if nbytes >= TEAM_MIN_BYTES else 1
+        threads = torch.get_num_threads() if nbytes >= TEAM_MIN_BYTES and not _forked else 1
         status = team(q.data_ptr(), q_out.data_ptr(), cos_q.data_ptr(), sin_q.data_ptr(), address_q,
                       k.data_ptr(), k_out.data_ptr(), cos_k.data_ptr(), sin_k.data_ptr(), address_k, threads)
         if status != 0:
@@ -405,7 +419,7 @@ def _prepare_pair(q, k, cos_q, sin_q, cos_k, sin_k, layout, conjugate, inplace) 
     if q.dtype not in SUFFIX or any(t.dtype is not q.dtype or t.numel() == 0 for t in tensors):
         return None
     nbytes = sum(t.numel() for t in tensors) * q.element_size()
-    if nbytes >= PARALLEL_MIN_BYTES and not _state["openmp"]:
+    if nbytes >= PARALLEL_MIN_BYTES and (not _state["openmp"] or _forked):
         return None
     prepared = [_prepare(t, c, s, layout, conjugate, inplace) for t, c, s in ((q, cos_q, sin_q), (k, cos_k, sin_k))
                 if t is not None]
