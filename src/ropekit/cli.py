@@ -13,13 +13,13 @@ import argparse
 import importlib.util
 import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .tools.files import write_bytes_atomic
 
 
 class UserError(Exception):
@@ -73,18 +73,11 @@ def _positive(kind: type) -> Any:
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and :func:`os.replace`."""
+    """:func:`ropekit.tools.files.write_bytes_atomic`, with a one-line error for a missing directory."""
     target = Path(path)
     if not target.parent.is_dir():
         raise UserError(f"directory does not exist: {target.parent}")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_bytes_atomic(target, data)
 
 
 def _number(value: float) -> str:

@@ -15,6 +15,7 @@ one verse per line: ``{"citation", "text", "book", "chapter", "verse"}``), fetch
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -35,6 +36,7 @@ from ..nn import (
     RotarySelfAttention,
     SinusoidalPositionalEncoding,
 )
+from .files import write_bytes_atomic
 
 ENCODINGS = ("rope", "rope-interleaved", "sinusoidal", "learned", "none")
 ATTENTIONS = ("softmax", "linear")
@@ -79,14 +81,7 @@ def fetch_kjv(directory: Path | None = None) -> Path:
             if member is None:
                 raise OSError(f"{tarballs[-1].name} holds no bible/data/kjv.jsonl")
             data = archive.extractfile(member).read()
-    fd, tmp_path = tempfile.mkstemp(prefix=".kjv.jsonl.", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp_path, target)
-    except BaseException:
-        Path(tmp_path).unlink(missing_ok=True)
-        raise
+    write_bytes_atomic(target, data)
     return target
 
 
@@ -269,15 +264,9 @@ class CharLM(nn.Module):
 
 def save_model(model: CharLM, path: Path, extra: dict | None = None) -> None:
     """``torch.save({"config", "state_dict", **extra})`` through a temporary file and :func:`os.replace`."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save({"config": model.config.to_dict(), "state_dict": model.state_dict(), **(extra or {})}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buffer = io.BytesIO()
+    torch.save({"config": model.config.to_dict(), "state_dict": model.state_dict(), **(extra or {})}, buffer)
+    write_bytes_atomic(path, buffer.getvalue())
 
 
 def load_model(path: Path) -> tuple[CharLM, dict]:

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .charlm import ATTENTIONS, ENCODINGS, CharLM, CharLMConfig, Corpus, load_corpus, save_model
+from .files import write_bytes_atomic
 
 COMPARE = ("rope", "sinusoidal", "learned", "none")
 
@@ -157,18 +157,6 @@ def train_one(corpus: Corpus, encoding: str, attention: str, sizes: Sizes, seed:
 
 
 # -- outputs -----------------------------------------------------------------------------------------
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and :func:`os.replace`."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_json(path: Path, data: dict) -> None:
