@@ -30,6 +30,8 @@ torch.set_num_threads(1)
 SCRIPT = Path(sys.executable).parent / "ropekit"
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ropekit.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+if ENV.get("PYTHONPATH"):  # the console script runs in a temporary directory: a relative entry must not move
+    ENV["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry) for entry in ENV["PYTHONPATH"].split(os.pathsep))
 
 
 class Page(HTMLParser):
