@@ -6,6 +6,7 @@ arguments through the real console script, and a scaled preset with ``--json`` t
 everything else inspects their files.
 """
 
+import html
 import io
 import json
 import os
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from ropekit.cli import main
+from ropekit.tools import bench_rows, report_html, report_speed
 from ropekit.tools import report as report_module
 
 torch.set_num_threads(1)
@@ -28,6 +30,8 @@ torch.set_num_threads(1)
 SCRIPT = Path(sys.executable).parent / "ropekit"
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ropekit.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+if ENV.get("PYTHONPATH"):  # the console script runs in a temporary directory: a relative entry must not move
+    ENV["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry) for entry in ENV["PYTHONPATH"].split(os.pathsep))
 
 
 class Page(HTMLParser):
@@ -135,9 +139,13 @@ def test_layout_is_captioned_and_phone_readable(reports, which):
         if tag == "img":
             assert "figure" in ancestors and attrs.get("alt"), attrs
         if tag == "table":
-            assert "div" in ancestors  # every table sits in a horizontally scrolling box
+            assert "div" in ancestors  # every table sits in a box that scrolls if it must
     raw = (reports[0] / which / "index.html").read_text(encoding="utf-8")
     assert "img{max-width:100%" in raw and ".scroll{overflow-x:auto" in raw
+    # a box that may scroll sideways is a labelled, keyboard-focusable region (tests/test_report_browser.py
+    # checks in a browser that only these scroll, and only on a phone)
+    wide = [attrs for tag, attrs, _ in page.tags if tag == "div" and "wide" in attrs.get("class", "").split()]
+    assert len(wide) >= 2 and all(a["role"] == "region" and a["tabindex"] == "0" and a["aria-label"] for a in wide)
 
 
 def test_write_report_is_atomic(tmp_path, monkeypatch):
@@ -191,11 +199,89 @@ def test_bench_section_when_the_module_is_missing_or_fails(monkeypatch):
     report_module._Report.bench(fake)
     assert "ZeroDivisionError" in fake.sections[0][2]
 
-    rows = [{"shape": "s", "dims": [1, 2], "ms": 1.5, "ratio_hf": None}]
+    rows = [bench_row("copy (x.clone)", ms=1.5), bench_row("cpu", ms=0.5, ratio_copy=3.0, flags=["beats floor"])]
     monkeypatch.setitem(sys.modules, "ropekit.tools.bench", types.SimpleNamespace(run=lambda quick: rows))
     fake = types.SimpleNamespace(summary={}, sections=[])
     report_module._Report.bench(fake)
-    assert "<td>1.5</td>" in fake.sections[0][2] and "1x2" in fake.sections[0][2]
+    assert "<td>1.5</td>" in fake.sections[0][2] and "1&times;2&times;2&times;8&times;16" in fake.sections[0][2]
+
+
+def bench_row(impl, **values):
+    """A row as ``ropekit.tools.bench.run`` returns it, with made-up numbers."""
+    row = {"shape": "tiny", "dims": [1, 2, 2, 8, 16], "dtype": "float32", "device": "cpu", "impl": impl,
+           "mode": "out-of-place", "ms": 1.0, "min_ms": 0.9, "spread_pct": 2.0, "bytes": 8 << 20, "gbps": 8.4,
+           "ratio_copy": 1.0, "ratio_hf": 3.0, "saved_mb": None, "peak_mb": None, "flags": [], "note": None}
+    row.update(values)
+    if row["flags"]:
+        row["note"] = f"why {impl} is flagged"
+    return row
+
+
+def legends(text: str) -> dict[str, list[str]]:
+    """``{legend id: [its terms]}`` of every ``<dl class="legend">`` in a page."""
+    found = re.findall(r'<dl class="legend" id="([^"]+)">(.*?)</dl>', text, re.S)
+    return {ident: [html.unescape(t) for t in re.findall(r"<dt>(.*?)</dt>", body, re.S)] for ident, body in found}
+
+
+def tables(text: str) -> list[tuple[str, list[str]]]:
+    """``(aria-describedby, [header texts])`` of every table in a page."""
+    out = []
+    for attrs, body in re.findall(r"<table([^>]*)>(.*?)</table>", text, re.S):
+        described = re.search(r'aria-describedby="([^"]+)"', attrs)
+        headers = [html.unescape(re.sub(r"<[^>]+>", "", h)) for h in re.findall(r"<th[^>]*>(.*?)</th>", body, re.S)]
+        out.append((described.group(1) if described else "", headers))
+    return out
+
+
+@pytest.mark.parametrize("which", ["ropekit-report", "l31"])
+def test_every_table_says_what_its_columns_mean(reports, which):
+    text = (reports[0] / which / "index.html").read_text(encoding="utf-8")
+    found, explained = tables(text), legends(text)
+    assert len(found) >= 6 + (which == "ropekit-report")  # the scaled report is built without the speed table
+    for legend_id, headers in found:
+        assert legend_id in explained, (legend_id, headers)
+        assert headers == explained[legend_id][:len(headers)], legend_id  # each header, in order, with a meaning
+        assert len(explained[legend_id]) >= max(len(headers), 2)
+    for ident, body in re.findall(r'<dl class="legend" id="([^"]+)">(.*?)</dl>', text, re.S):
+        assert all(re.sub(r"<[^>]+>", "", dd).strip() for dd in re.findall(r"<dd>(.*?)</dd>", body, re.S)), ident
+
+
+def test_the_speed_table_explains_dims_every_implementation_and_mode(reports):
+    root, default, _ = reports
+    text = (root / "ropekit-report" / "index.html").read_text(encoding="utf-8")
+    speed = text[text.index('<section id="bench">'):]
+    assert "dims = batch × query heads × key heads × sequence length × head_dim" in speed
+    assert "prefill-1k</b> <span class=\"nw\">1&times;32&times;32&times;1024&times;128" in speed
+    explained = legends(speed)
+    impls = {html.unescape(i) for i in re.findall(r'<td class="text">([^<]+)</td>', speed)}
+    assert {"copy (x.clone)", "transformers eager", "cpu", "torch", "ropekit auto"} <= impls
+    assert impls <= set(explained["speed-impl-legend"])
+    assert {"out-of-place", "in-place", "fwd+bwd"} == set(explained["speed-mode-legend"])
+    for impl in impls:  # each with its own line, not the fallback for unknown backends
+        assert html.escape(bench_rows.describe(impl)) in speed and "registered" not in bench_rows.describe(impl)
+
+
+def test_flagged_rows_show_their_flag_and_what_it_means():
+    rows = [bench_row("copy (x.clone)", spread_pct=40.0, flags=["noisy"]),
+            bench_row("cpu", ratio_copy=2.4, flags=["noisy", "beats floor"]),
+            bench_row("torch", ratio_copy=0.6)]
+    text = report_speed.speed_section(rows)
+    assert "<b>2 of 3 rows are flagged</b>" in text
+    cells = re.findall(r'<span class="warn" title="([^"]*)">([^<]*)</span>', text)
+    assert cells == [("why copy (x.clone) is flagged", "noisy"), ("why cpu is flagged", "noisy, beats floor")]
+    explained = legends(text)
+    assert explained["speed-flag-legend"] == ["noisy", "beats floor"]
+    for flag in ("noisy", "beats floor"):
+        assert html.escape(bench_rows.FLAGS[flag]) in text
+    assert "peak MiB" not in text  # a CPU run has no peak-memory column
+
+    quiet = report_speed.speed_section([bench_row("cpu", peak_mb=12.5)])
+    assert "No row is flagged" in quiet and "speed-flag-legend" not in quiet and "<th>peak MiB</th>" in quiet
+
+
+def test_a_table_without_columns_must_explain_its_rows():
+    with pytest.raises(ValueError, match="needs terms"):
+        report_html.table(None, [["a", 1]], name="bare")
 
 
 def test_without_matplotlib_the_page_says_so_instead_of_failing(monkeypatch):

@@ -18,6 +18,12 @@ in float32 on a CPU without 16-bit arithmetic. On CUDA, Liger's Triton kernel
 ``q * cos + rotate_half(q) * sin`` with tables in the activation dtype). ``saved_mb`` is what
 autograd keeps for the backward pass (measured with saved-tensor hooks), next to the recipe's;
 on CUDA ``peak_mb`` adds the peak memory allocated by a forward + backward step.
+
+``ms`` is the median over the repeats, ``min_ms`` the fastest and ``spread_pct`` the
+interquartile range as a percentage of the median; ``bytes`` is what the call reads and writes.
+``flags`` (``noisy``, ``beats floor``) and ``note`` (why, in one line) come from
+:func:`ropekit.tools.bench_rows.judge`: a row whose spread is large, or which beats the floor
+that moves the same bytes by more than the noise allows, is a measurement artefact, not a speed.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ import torch
 from .. import backends
 from ..frequencies import cos_sin, inv_frequencies
 from ..functional import apply_rotary, apply_rotary_qk
+from .bench_rows import COPY, INPLACE_PASS, ROUND_TRIP, format_table, judge
 from .precision import rotate_half
+
+__all__ = ["Shape", "Timing", "bench_shape", "format_table", "judge", "run", "time_ms"]
 
 
 @dataclass(frozen=True)
@@ -61,8 +70,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn()`` in milliseconds."""
+@dataclass(frozen=True)
+class Timing:
+    """Wall times of ``repeats`` calls in milliseconds: median, quartiles and minimum."""
+
+    median: float
+    q1: float
+    q3: float
+    minimum: float
+    repeats: int
+
+    @property
+    def spread_pct(self) -> float | None:
+        """Interquartile range as a percentage of the median (``None`` under 3 repeats: no quartiles)."""
+        if self.repeats < 3:
+            return None
+        return 100.0 * (self.q3 - self.q1) / self.median
+
+    def scaled(self, factor: float) -> Timing:
+        """The same measurement as the time of ``factor`` calls (the floor of a step that copies twice)."""
+        return Timing(self.median * factor, self.q1 * factor, self.q3 * factor, self.minimum * factor, self.repeats)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> Timing:
+    """Wall time of ``fn()`` in milliseconds over ``repeats`` calls after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -72,7 +103,8 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup
         fn()
         _sync(device)
         samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive") if repeats > 1 else samples * 3
+    return Timing(statistics.median(samples), q1, q3, min(samples), repeats)
 
 
 def _transformers_apply():
@@ -158,36 +190,38 @@ def bench_shape(
     nbytes = 2 * (q.numel() + k.numel()) * q.element_size()  # read + write of q and k
     full_cos = torch.cat((cos, cos), -1).to(dtype)
     full_sin = torch.cat((sin, sin), -1).to(dtype)
-    copy_ms = time_ms(lambda: (q.clone(), k.clone()), device, repeats)
+    copy = time_ms(lambda: (q.clone(), k.clone()), device, repeats)
     qi, ki = q.clone(), k.clone()
-    inplace_floor_ms = time_ms(lambda: (qi.mul_(1.0), ki.mul_(1.0)), device, repeats)
-    hf_ms = time_ms(lambda: hf_recipe(q, k, full_cos, full_sin), device, repeats)
+    inplace_floor = time_ms(lambda: (qi.mul_(1.0), ki.mul_(1.0)), device, repeats)
+    hf = time_ms(lambda: hf_recipe(q, k, full_cos, full_sin), device, repeats)
     rows: list[dict] = []
 
-    def add(impl: str, mode: str, ms: float, floor: float, hf: float | None, saved: int | None = None,
+    def add(impl: str, mode: str, timing: Timing, floor: Timing, peer: Timing | None, saved: int | None = None,
             peak: int | None = None) -> None:
         moved = nbytes * (2 if mode == "fwd+bwd" else 1)
-        rows.append({
+        row = {
             "shape": shape.name, "dims": [shape.batch, shape.q_heads, shape.k_heads, shape.seq, shape.head_dim],
             "dtype": str(dtype).replace("torch.", ""), "device": device.type, "impl": impl, "mode": mode,
-            "ms": ms, "gbps": moved / ms / 1e6, "ratio_copy": floor / ms,
-            "ratio_hf": None if hf is None else hf / ms, "saved_mb": None if saved is None else saved / 2**20,
-            "peak_mb": None if peak is None else peak / 2**20,
-        })
+            "ms": timing.median, "min_ms": timing.minimum, "spread_pct": timing.spread_pct, "bytes": moved,
+            "gbps": moved / timing.median / 1e6, "ratio_copy": floor.median / timing.median,
+            "ratio_hf": None if peer is None else peer.median / timing.median,
+            "saved_mb": None if saved is None else saved / 2**20, "peak_mb": None if peak is None else peak / 2**20,
+        }
+        rows.append(row | judge(row, {"spread_pct": floor.spread_pct}))
 
-    add("copy (x.clone)", "out-of-place", copy_ms, copy_ms, hf_ms)
-    add("in-place pass (x.mul_)", "in-place", inplace_floor_ms, inplace_floor_ms, hf_ms)
-    add("transformers eager", "out-of-place", hf_ms, copy_ms, hf_ms)
+    add(COPY, "out-of-place", copy, copy, hf)
+    add(INPLACE_PASS, "in-place", inplace_floor, inplace_floor, hf)
+    add("transformers eager", "out-of-place", hf, copy, hf)
     if dtype.itemsize == 2 and device.type == "cpu":
         wide_q, wide_k = torch.empty(q.shape), torch.empty(k.shape)
         back_q, back_k = torch.empty_like(q), torch.empty_like(k)
-        add("float32 round trip (x -> f32 -> x)", "out-of-place",
+        add(ROUND_TRIP, "out-of-place",
             time_ms(lambda: (wide_q.copy_(q), back_q.copy_(wide_q), wide_k.copy_(k), back_k.copy_(wide_k)),
-                    device, repeats), copy_ms, hf_ms)
+                    device, repeats), copy, hf)
     if compile_peer:
         compiled = torch.compile(hf_recipe, dynamic=False)
         add("transformers + torch.compile", "out-of-place",
-            time_ms(lambda: compiled(q, k, full_cos, full_sin), device, repeats, warmup=3), copy_ms, hf_ms)
+            time_ms(lambda: compiled(q, k, full_cos, full_sin), device, repeats, warmup=3), copy, hf)
     cos_v, sin_v = cos[:, :], sin[:, :]
     native_to = {"cpu": "cpu", "triton": "cuda"}  # elsewhere these fall back to the torch backend
     for name in backends.available():
@@ -198,17 +232,17 @@ def bench_shape(
             apply_rotary(q[:1, :1, :1], cos_v[:1], sin_v[:1], backend=name)
         except (RuntimeError, ValueError, TypeError):
             continue  # backend not usable on this device / dtype
-        out_ms = time_ms(lambda n=name: apply_rotary_qk(q, k, cos_v, sin_v, backend=n), device, repeats)
-        add(name, "out-of-place", out_ms, copy_ms, hf_ms)
-        in_ms = time_ms(lambda n=name: apply_rotary_qk(qi, ki, cos_v, sin_v, backend=n, inplace=True), device,
-                        repeats)
-        add(name, "in-place", in_ms, inplace_floor_ms, None)
+        out = time_ms(lambda n=name: apply_rotary_qk(q, k, cos_v, sin_v, backend=n), device, repeats)
+        add(name, "out-of-place", out, copy, hf)
+        inplace = time_ms(lambda n=name: apply_rotary_qk(qi, ki, cos_v, sin_v, backend=n, inplace=True), device,
+                          repeats)
+        add(name, "in-place", inplace, inplace_floor, None)
     liger = _liger_rope() if device.type == "cuda" else None
     if liger is not None:
         # Liger rotates (b, h, s, d) views of (b, s, h, d) storage in place, full-width tables
         q_l, k_l = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
         add("liger-kernel", "in-place", time_ms(lambda: liger(q_l, k_l, full_cos[None], full_sin[None]), device,
-                                                repeats), inplace_floor_ms, None)
+                                                repeats), inplace_floor, None)
     if backward:
         qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
         grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
@@ -225,11 +259,11 @@ def bench_shape(
         def theirs():
             return hf_recipe(qg, kg, full_cos, full_sin)
 
-        hf_bwd_ms = time_ms(fwd_bwd(theirs), device, repeats)
-        ours_bwd_ms = time_ms(fwd_bwd(ours), device, repeats)
-        add("transformers eager", "fwd+bwd", hf_bwd_ms, 2 * copy_ms, hf_bwd_ms, saved_bytes(theirs),
+        hf_bwd = time_ms(fwd_bwd(theirs), device, repeats)
+        ours_bwd = time_ms(fwd_bwd(ours), device, repeats)
+        add("transformers eager", "fwd+bwd", hf_bwd, copy.scaled(2), hf_bwd, saved_bytes(theirs),
             peak_bytes(fwd_bwd(theirs), device))
-        add("ropekit auto", "fwd+bwd", ours_bwd_ms, 2 * copy_ms, hf_bwd_ms, saved_bytes(ours),
+        add("ropekit auto", "fwd+bwd", ours_bwd, copy.scaled(2), hf_bwd, saved_bytes(ours),
             peak_bytes(fwd_bwd(ours), device))
     return rows
 
@@ -263,16 +297,3 @@ def run(
         for dtype in dtypes:
             rows.extend(bench_shape(shape, dtype, device, repeats=repeats, compile_peer=compile_peer))
     return rows
-
-
-def format_table(rows: list[dict]) -> str:
-    """Rows as a Markdown table (time, GB/s, ratio to copy, speed-up over transformers, saved MiB)."""
-    head = "| shape | dtype | impl | mode | ms | GB/s | × copy speed | × transformers | saved MiB | peak MiB |"
-    lines = [head, "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        hf = "" if r["ratio_hf"] is None else f"{r['ratio_hf']:.1f}"
-        saved = "" if r["saved_mb"] is None else f"{r['saved_mb']:.1f}"
-        peak = "" if r.get("peak_mb") is None else f"{r['peak_mb']:.1f}"
-        lines.append(f"| {r['shape']} | {r['dtype']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} | "
-                     f"{r['gbps']:.1f} | {r['ratio_copy']:.2f} | {hf} | {saved} | {peak} |")
-    return "\n".join(lines)

@@ -24,6 +24,7 @@ from . import figures
 from .analysis import decay_bound, describe, similarity_margin
 from .experiments import attention_vs_distance, scaling_comparison, sinusoidal_terms
 from .report_html import esc, figure, num, page, table
+from .report_speed import speed_section
 
 #: HTML of the terms of :func:`ropekit.tools.experiments.sinusoidal_terms`.
 TERM_HTML = {
@@ -122,16 +123,23 @@ class _Report:
             lambda: figures.wavelength_figure(self.theta, self.inv_freq, info["regime"], context,
                                       pre["context"] if pre else None),
             caption, "wavelength per rotary pair on a log axis")
-        header = ["pair i", "theta_i (unscaled)", "inv_freq", "wavelength (tokens)", f"rotations in {context:,}"]
+        columns = [("pair i", "index of the rotary pair: channels (i, i+d/2) in the half layout, (2i, 2i+1) "
+                               "interleaved"),
+                   ("theta_i (unscaled)", "base<sup>&minus;2i/d</sup>: radians per token before any scaling rule"),
+                   ("inv_freq", "the configured frequency after the scaling rule, radians per token"),
+                   ("wavelength (tokens)", "2&pi;/inv_freq: tokens per full turn of the pair"),
+                   (f"rotations in {context:,}", "full turns the pair makes within the context")]
         rows = [[i, info["theta"][i], info["inv_freq"][i], info["wavelength"][i], info["rotations"][i]]
                 for i in range(info["pairs"])]
         if self.scaled:
-            header.append("theta/inv_freq")
+            columns.append(("theta/inv_freq", "how much the rule slows the pair down (1 = kept)"))
             rows = [row + [info["interpolation"][i]] for i, row in enumerate(rows)]
         if info["regime"]:
-            header.append("regime")
+            columns.append(("regime", "the rule's treatment of the pair: extrapolated (kept), interpolated "
+                                      "(divided by the factor) or blended (in between)"))
             rows = [row + [esc(info["regime"][i])] for i, row in enumerate(rows)]
-        body += f"<details><summary>Table per pair ({info['pairs']} rows)</summary>{table(header, rows)}</details>"
+        body += (f"<details><summary>Table per pair ({info['pairs']} rows)</summary>"
+                 f"{table(columns, rows, name='pairs', wide=True)}</details>")
         self.sections.append(("wavelengths", "Wavelengths per pair", body))
 
     def decay(self) -> None:
@@ -206,8 +214,14 @@ class _Report:
             kept = int((ratio - 1).abs().lt(1e-9).sum())
             rows.append([esc(rule["name"]), rule["attention_scale"], rule["attention_scale"] ** 2, kept,
                          len(ratio) - kept, float(ratio.max())])
-        body += table(["rule", "attention scale (cos, sin)", "logit scale", "pairs kept", "pairs changed",
-                       "max theta/inv_freq"], rows)
+        body += table([("rule", "this config's own rule first, then each rule at the factor and original length "
+                                "above"),
+                       ("attention scale (cos, sin)", "the factor the rule multiplies cos and sin by"),
+                       ("logit scale", "its square: the factor on every attention logit"),
+                       ("pairs kept", "pairs whose frequency the rule leaves as it is"),
+                       ("pairs changed", "pairs the rule slows down"),
+                       ("max theta/inv_freq", "the largest slow-down of any pair")], rows, name="rules",
+                      text_columns=(0,))
         self.summary["scaling"] = [{"name": r["name"], "attention_scale": r["attention_scale"]} for r in rules]
         self.sections.append(("scaling", "inv_freq under each scaling rule", body))
 
@@ -229,7 +243,13 @@ class _Report:
         self.summary["sinusoidal"] = {"rope_spread": spread,
                                       "cross_term_spread": float(terms["content-position"].max()
                                                                  - terms["content-position"].min())}
-        body += table(["term", "min over m", "max over m", "spread (max - min)"], rows)
+        body += table([("term", "one term of the score of the two tokens; the last row is RoPE's single term"),
+                       ("min over m", "its smallest value as the pair moves along the sequence (position m, fixed "
+                                      "distance)"),
+                       ("max over m", "its largest value over the same positions"),
+                       ("spread (max - min)", "how much it depends on the absolute position: 0 for a purely "
+                                              "relative score")], rows, name="terms",
+                      text_columns=(0,))
         self.sections.append(("sinusoidal", "Sinusoidal PE: four terms vs RoPE's one", body))
 
     def checks(self) -> None:
@@ -239,16 +259,26 @@ class _Report:
         results = run_all()
         rows = [[esc(c.name), esc(c.claim), c.error, c.bound,
                  '<span class="ok">pass</span>' if c.passed else '<span class="bad">FAIL</span>'] for c in results]
+        columns = [("check", "the name of the check in <code>ropekit.tools.checks</code>"),
+                   ("claim", "the property, as the seeds state it"),
+                   ("measured error", "the largest deviation measured now"),
+                   ("bound", "the deviation the check allows (float32 rounding)"),
+                   ("result", "pass when the measured error is within the bound")]
         body = ("<p>Each property the seeds prove, measured now on this machine (float32 kernels against "
-                "float64 references).</p>" + table(["check", "claim", "measured error", "bound", ""], rows,
-                                                   text_columns=(1,)))
+                "float64 references).</p>" + table(columns, rows, name="checks", text_columns=(1,), wide=True))
         precision = {start: bf16_error_comparison(positions_start=start) for start in (20000, 1_000_000)}
-        rows = [[num(start), p["ropekit_mean"], p["hf_mean"], p["floor_mean"], p["ratio_mean"]]
+        rows = [[num(start), 1e3 * p["ropekit_mean"], 1e3 * p["hf_mean"], 1e3 * p["floor_mean"], p["ratio_mean"]]
                 for start, p in precision.items()]
         body += ("<p>bfloat16 RoPE (head_dim 128, base 10000, 256 positions) against a float64 rotation of the same "
                  "input: ropekit (float64 angles, float32 tables and math, one rounding) and the transformers recipe "
                  "(float32 angles, bf16 tables and math). The floor is the exact result rounded to bf16.</p>"
-                 + table(["positions from", "ropekit mean |err|", "transformers recipe", "floor", "ratio"], rows))
+                 + table([("positions from", "the first of 256 consecutive positions"),
+                          ("ropekit mean |err|", "mean absolute error of ropekit's bfloat16 output"),
+                          ("transformers recipe", "the same for the transformers recipe"),
+                          ("floor", "the error of the exact result rounded to bfloat16: no bfloat16 output does "
+                                    "better"),
+                          ("ratio", "ropekit's error / the recipe's (below 1: ropekit is closer)")], rows,
+                         name="bf16", intro="Errors in units of 10<sup>&minus;3</sup>."))
         self.summary["checks"] = [c.as_dict() for c in results]
         self.summary["bf16_precision"] = {str(k): v for k, v in precision.items()}
         self.sections.append(("checks", "Properties checked live", body))
@@ -257,9 +287,7 @@ class _Report:
         rows, error = _bench_rows()
         self.summary["bench"] = rows
         if rows:
-            keys = list(dict.fromkeys(key for row in rows for key in row))
-            body = table(keys, [[_cell(row.get(k)) for k in keys] for row in rows])
-            body = "<p>From <code>ropekit.tools.bench.run(quick=True)</code>; ratios measured side by side.</p>" + body
+            body = speed_section(rows)
         else:
             body = ("<p>The benchmark is not available in this installation"
                     + (f" ({esc(error)})" if error else "") + ". Run <code>ropekit bench</code> where it is "
@@ -276,7 +304,9 @@ class _Report:
             rows.append([esc(key), esc(f"{len(value)} values") if isinstance(value, list) else
                          (esc(value) if isinstance(value, (str, bool)) or value is None else value)])
         intro = ('<p class="muted">Rotary Position Embedding, seen from every side: every number and figure below '
-                 "was computed on this machine by <code>ropekit report</code>.</p>" + table(None, rows, cls="kv"))
+                 "was computed on this machine by <code>ropekit report</code>.</p>"
+                 + table(None, rows, name="config", cls="kv", terms=_config_terms(bool(info["rope_parameters"])),
+                         intro="The configuration this page studies, one setting per row."))
         footer = (f"ropekit report{' --quick' if self.quick else ''}; {esc(platform.platform())}, torch "
                   f"{esc(torch.__version__)}, {seconds:.1f} s. Sources: Su et al., RoFormer, arXiv:2104.09864 "
                   f"(seeds 000-002); {MEN}.")
@@ -299,13 +329,19 @@ def _bound_paragraph(info: dict, bound: dict | None) -> str:
             "so a finer grid can find a somewhat lower isolated base.</span></p>")
 
 
-def _cell(value: Any) -> Any:
-    """A benchmark value for :func:`table`: numbers stay numbers, lists become ``1x32x1024``, text is escaped."""
-    if isinstance(value, (list, tuple)):
-        return esc("x".join(str(v) for v in value))
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return value
-    return esc("" if value is None else value)
+def _config_terms(has_parameters: bool) -> list[tuple[str, str]]:
+    """What each row of the configuration table means (HTML)."""
+    terms = [("source", "where the configuration comes from"),
+             ("layout", "the pairing: half = channels (i, i+d/2) as transformers' <code>rotate_half</code>, "
+                        "interleaved = (2i, 2i+1) as the paper"),
+             ("head_dim", "channels per attention head"), ("rotary_dim", "channels rotated; the rest pass through"),
+             ("base", "&theta;<sub>i</sub> = base<sup>&minus;2i/rotary_dim</sup>"),
+             ("rope type", "the scaling rule (default: none)"),
+             ("attention scale (cos, sin)", "the rule's factor on cos and sin"),
+             ("context", "the tokens this page studies, and where that number comes from")]
+    if has_parameters:
+        terms.append(("further rows", "the scaling rule's own parameters, as the configuration gives them"))
+    return terms
 
 
 def _bench_rows() -> tuple[list[dict] | None, str | None]:
