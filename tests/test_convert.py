@@ -1,7 +1,5 @@
 """``ropekit convert``: layout conversion of checkpoints (safetensors single/sharded, torch .bin)."""
 
-import argparse
-import hashlib
 import json
 from pathlib import Path
 
@@ -10,73 +8,24 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from convert_helpers import (
+    H2I,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    KV,
+    RECORDED,
+    assert_identical,
+    digest,
+    parse,
+    run,
+    state,
+    write_sharded,
+)
 from ropekit.tools import checkpoint_io
 from ropekit.tools import convert as conv
 
 torch.set_num_threads(1)
-
-HEADS, KV, HEAD_DIM, HIDDEN = 4, 2, 8, 16
-H2I = ("--from", "half", "--to", "interleaved")
-RECORDED = {"ropekit_heads": "4", "ropekit_kv_heads": "2", "ropekit_head_dim": "8", "ropekit_rotary_dim": "8"}
-
-
-def parse(*argv):
-    parser = argparse.ArgumentParser()
-    conv.add_parser(parser.add_subparsers(dest="verb"))
-    return parser.parse_args(["convert", *map(str, argv)])
-
-
-def run(*argv):
-    return conv.run(parse(*argv))
-
-
-def state(layers=2, bias=False, meta=False, kv=KV, head_dim=HEAD_DIM):
-    g = torch.Generator().manual_seed(1)
-    sd = {}
-    for i in range(layers):
-        if meta:
-            p = f"layers.{i}.attention."
-            names = {"q": p + "wq", "k": p + "wk", "v": p + "wv"}
-        else:
-            p = f"model.layers.{i}.self_attn."
-            names = {"q": p + "q_proj", "k": p + "k_proj", "v": p + "v_proj"}
-        sd[names["q"] + ".weight"] = torch.randn(HEADS * head_dim, HIDDEN, generator=g).to(torch.bfloat16)
-        sd[names["k"] + ".weight"] = torch.randn(kv * head_dim, HIDDEN, generator=g).to(torch.bfloat16)
-        sd[names["v"] + ".weight"] = torch.randn(kv * head_dim, HIDDEN, generator=g).to(torch.float16)
-        if bias:
-            sd[names["q"] + ".bias"] = torch.randn(HEADS * head_dim, generator=g).to(torch.bfloat16)
-            sd[names["k"] + ".bias"] = torch.randn(kv * head_dim, generator=g).to(torch.bfloat16)
-    sd["model.embed_tokens.weight"] = torch.randn(32, HIDDEN, generator=g).to(torch.float16)
-    sd["model.norm.weight"] = torch.randn(HIDDEN, generator=g)
-    sd["step"] = torch.tensor([7], dtype=torch.int64)
-    return sd
-
-
-def write_sharded(sd, directory: Path):
-    directory.mkdir()
-    names = list(sd)
-    half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
-    weight_map = {}
-    for fname, keys in shards.items():
-        save_file({k: sd[k] for k in keys}, str(directory / fname), metadata={"format": "pt", "origin": fname})
-        weight_map.update({k: fname for k in keys})
-    index = {"metadata": {"total_size": 123}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
-    return directory
-
-
-def digest(path: Path):
-    files = sorted(path.rglob("*")) if path.is_dir() else [path]
-    return {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.is_file()}
-
-
-def assert_identical(a, b):
-    assert a.keys() == b.keys()
-    for name in a:
-        assert a[name].dtype == b[name].dtype, name
-        assert torch.equal(a[name].view(torch.uint8) if a[name].dim() else a[name],
-                           b[name].view(torch.uint8) if b[name].dim() else b[name]), name
 
 
 def test_single_file_round_trip_bit_exact(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,9 +90,12 @@ def _load_torch(path: Path) -> Shard:
     except OSError:
         raise
     except pickle.UnpicklingError as exc:
-        detail = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line), first_line(exc))
-        raise ValueError(f"{path}: refused by torch.load(weights_only=True), it holds more than tensors "
-                         f"({detail}); ropekit never unpickles arbitrary objects") from None
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if found:
+            raise ValueError(f"{path}: refused by torch.load(weights_only=True): it calls {found.group(1)}, not just "
+                             f"tensors; ropekit never unpickles arbitrary objects") from None
+        detail = str(exc).split("WeightsUnpickler error:")[-1]
+        raise ValueError(f"{path}: not a readable PyTorch checkpoint ({first_line(ValueError(detail))})") from None
     except Exception as exc:  # a truncated zip, an empty file, a foreign format
         raise ValueError(f"{path}: not a readable PyTorch checkpoint ({first_line(exc)})") from None
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):

@@ -45,7 +45,7 @@ _META_NAME = r"attention.wq."
 
 @dataclass(frozen=True)
 class HeadSpec:
-    """Attention geometry: ``n_heads`` query / ``n_kv_heads`` key heads of ``head_dim`` channels, ``rotary_dim`` rotated.
+    """Attention geometry: ``n_heads`` query, ``n_kv_heads`` key heads of ``head_dim`` channels; ``rotary_dim`` rotated.
 
     Any field may be ``None`` (unknown): :func:`resolve_geometry` fills it from a config, the
     recorded metadata or the tensor shapes. ``base`` only feeds ``--verify``'s tables.

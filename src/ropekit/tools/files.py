@@ -14,8 +14,8 @@ Files are created with a plain ``open`` inside the staging directory (never ``mk
 mode follows the umask like any other file, and they are flushed to disk (``fsync``) before the
 rename. On an error the staging directory is removed. A run killed by a signal or a power cut
 cannot remove its staging directory, but it can no longer hold its lock: every later write into the
-same directory removes staging directories that carry ropekit's name and marker file and whose lock
-is free (:func:`remove_stale_staging`). Nothing else is ever deleted.
+same directory removes staging directories that carry ropekit's name and marker file (or are
+empty) and whose lock is free (:func:`remove_stale_staging`). Nothing else is ever deleted.
 
 :func:`fs_step` is called before each step that changes the file system; tests replace it to stop
 a run at every step.
@@ -38,8 +38,6 @@ except ImportError:  # Windows: no flock, so leftovers are never provably stale 
     fcntl = None
 
 STAGING_PREFIX = ".ropekit-staging-"
-#: name of a staging directory before it is locked and marked (a later run never touches these)
-_INIT_PREFIX = ".ropekit-init-"
 #: file inside every staging directory: with the name and a free lock, the proof that it is a leftover
 MARKER = ".ropekit-staging"
 _AT_FDCWD = -100
@@ -81,8 +79,9 @@ def _try_lock(fd: int) -> bool:
 def remove_stale_staging(parent: Path) -> list[Path]:
     """Remove the staging directories in ``parent`` left by runs that died; return what was removed.
 
-    Only a directory named ``.ropekit-staging-*`` holding the marker file and whose lock no live
-    process holds is removed; anything else (including a run in progress) is left alone.
+    Only a directory named ``.ropekit-staging-*`` whose lock no live process holds and that holds
+    the marker file (or nothing at all: a run killed right after creating it) is removed; anything
+    else, a run in progress included, is left alone.
     """
     removed = []
     try:
@@ -95,42 +94,53 @@ def remove_stale_staging(parent: Path) -> list[Path]:
         except OSError:
             continue
         try:
-            if _try_lock(fd) and os.path.isfile(os.path.join(entry.path, MARKER)):
+            if _try_lock(fd) and (os.path.isfile(os.path.join(entry.path, MARKER)) or not os.listdir(entry.path)):
                 fs_step("remove stale", Path(entry.path))
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(Path(entry.path))
+        except OSError:
+            pass
         finally:
             os.close(fd)
     return removed
+
+
+def _create_locked(parent: Path) -> tuple[Path, int]:
+    """A new staging directory in ``parent``, locked and marked: ``(path, fd holding the lock)``."""
+    for _ in range(3):
+        stage = parent / f"{STAGING_PREFIX}{secrets.token_hex(8)}"
+        fs_step("mkdir", stage)
+        os.mkdir(stage)
+        try:
+            fd = os.open(stage, os.O_RDONLY)
+        except FileNotFoundError:  # another run's cleanup took it while it was empty and unlocked
+            continue
+        try:
+            _try_lock(fd)
+            (stage / MARKER).write_bytes(b"")
+            return stage, fd
+        except FileNotFoundError:
+            os.close(fd)
+    raise OSError(f"could not create a staging directory in {parent}")
 
 
 @contextmanager
 def staging_directory(parent: str | Path) -> Iterator[Path]:
     """A fresh, locked, hidden directory in the existing directory ``parent``; removed on exit.
 
-    Stale staging directories of killed runs in ``parent`` are removed first. The directory is
-    created under a name later runs ignore, locked and marked, and only then renamed to its
-    ``.ropekit-staging-*`` name, so a run in progress is never mistaken for a leftover.
+    Stale staging directories of killed runs in ``parent`` are removed first.
     """
     parent = Path(parent)
     remove_stale_staging(parent)
-    token = secrets.token_hex(8)
-    init, stage = parent / f"{_INIT_PREFIX}{token}", parent / f"{STAGING_PREFIX}{token}"
-    fs_step("mkdir", init)
-    os.mkdir(init)
-    fd = os.open(init, os.O_RDONLY)
+    stage, fd = _create_locked(parent)
     try:
-        _try_lock(fd)
-        (init / MARKER).write_bytes(b"")
-        fs_step("rename", stage)
-        os.rename(init, stage)
-        try:
-            yield stage
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
+        yield stage
     finally:
-        shutil.rmtree(init, ignore_errors=True)
-        os.close(fd)
+        try:
+            fs_step("remove", stage)
+            shutil.rmtree(stage, ignore_errors=True)
+        finally:
+            os.close(fd)  # the lock goes with it: whatever is left is a leftover for the next run
 
 
 def write_file(path: Path, write: Callable[[Path], None]) -> None:
