@@ -10,12 +10,14 @@ exclusive ``flock`` for as long as it exists. Only a complete output leaves it, 
   first renamed into the staging directory and the new one renamed into place (the target is then
   briefly absent, never a mix).
 
-Files are created with a plain ``open`` inside the staging directory (never ``mkstemp``), so their
-mode follows the umask like any other file, and they are flushed to disk (``fsync``) before the
-rename. On an error the staging directory is removed. A run killed by a signal or a power cut
-cannot remove its staging directory, but it can no longer hold its lock: every later write into the
-same directory removes staging directories that carry ropekit's name and marker file (or are
-empty) and whose lock is free (:func:`remove_stale_staging`). Nothing else is ever deleted.
+Files are created inside the staging directory (never with ``mkstemp``) and given the mode any
+other file gets, ``0o666 & ~umask``, whatever the library that wrote them chose; they are
+flushed to disk (``fsync``) before the rename. On an error the staging directory is removed.
+
+A run killed by a signal or a power cut cannot remove its staging directory, but it no longer
+holds its lock: every later write into the same directory removes staging directories that carry
+ropekit's name and marker file (or are empty) and whose lock is free
+(:func:`remove_stale_staging`). Nothing else is ever deleted.
 
 :func:`fs_step` is called before each step that changes the file system; tests replace it to stop
 a run at every step.
@@ -143,10 +145,29 @@ def staging_directory(parent: str | Path) -> Iterator[Path]:
             os.close(fd)  # the lock goes with it: whatever is left is a leftover for the next run
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where the system says it (``/proc/self/status``)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore at once
+    os.umask(mask)
+    return mask
+
+
 def write_file(path: Path, write: Callable[[Path], None]) -> None:
-    """Create ``path`` (inside a staging directory) by calling ``write(path)``, then flush it to disk."""
+    """Create ``path`` (inside a staging directory) by calling ``write(path)``, then flush it to disk.
+
+    The file gets mode ``0o666 & ~umask`` like any file a program creates, whatever the writer did
+    (``safetensors`` creates its files ``0o600``).
+    """
     fs_step("write", path)
     write(path)
+    os.chmod(path, 0o666 & ~current_umask())
     _fsync(path)
 
 
