@@ -167,3 +167,9 @@ def test_the_true_geometry_passes_and_the_wrong_one_verifies_only_against_itself
     after = {**sd, **conv.convert_layer(layers["model.layers.0.self_attn"], sd, wrong, "half", "interleaved")}
     assert conv.verify_layers(sd, after, layers, wrong, "half", "interleaved") < 1e-12
     assert conv.verify_layers(sd, after, layers, HeadSpec(HEADS, KV, HEAD_DIM, HEAD_DIM), "half", "interleaved") > 1e-3
+
+
+def test_an_unreadable_config_next_to_src_is_refused_not_skipped(tmp_path, capsys):
+    src = model_dir(tmp_path, {"architectures": ["Something"], "vocab_size": 10})
+    err = one_line_error(capsys, [src, tmp_path / "out", *H2I, "--heads", HEADS])
+    assert "config.json next to SRC: cannot read the head geometry" in err and "directory of their own" in err

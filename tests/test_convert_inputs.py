@@ -130,3 +130,12 @@ def test_dst_names_that_cannot_hold_the_output_are_refused(tmp_path, dst):
     with pytest.raises(ValueError, match="DST"):
         run(src, tmp_path / dst, *H2I, "--heads", HEADS)
     assert not (tmp_path / dst).exists()
+
+
+def test_dst_symlink_is_written_through(tmp_path):
+    save_file(state(), str(tmp_path / "m.safetensors"))
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert run(tmp_path / "m.safetensors", tmp_path / "link", *H2I, "--heads", HEADS) == 0
+    assert (tmp_path / "link").is_symlink()
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["m.safetensors"]

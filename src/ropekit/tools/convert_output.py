@@ -83,7 +83,8 @@ def _check_directory_dst(dst: Path, inputs: list[Path], force: bool) -> None:
     if subdirectories or not _holds_checkpoint(dst):
         why = f"subdirectories {subdirectories[:4]}" if subdirectories else f"no checkpoint among {entries[:4]}"
         raise ValueError(f"DST {dst} is a directory with {why}; convert only replaces a directory that holds a "
-                         f"converted checkpoint (files only); choose a new or empty directory")
+                         f"converted checkpoint (files only); choose a new or empty directory (or name a "
+                         f".safetensors file for a single-file input)")
     if not force:
         raise FileExistsError(f"output exists (pass --force to replace it): {dst} holds {', '.join(entries[:4])}")
 
@@ -99,10 +100,10 @@ def _check_file_dst(dst: Path, inputs: list[Path], force: bool) -> None:
 
 def plan_output(ckpt: Checkpoint, dst: str | Path, *, force: bool) -> OutputPlan:
     """Decide the outputs for ``dst`` and refuse the unsafe ones (see the module docstring); writes nothing."""
-    dst = Path(dst)
+    named_directory = str(dst).endswith(("/", os.sep))
+    dst = Path(os.path.realpath(dst))  # "." and symlinks: write where they point
     sharded = ckpt.index is not None
-    named_directory = str(dst).endswith(("/", os.sep)) or (not dst.exists() and dst.suffix != ".safetensors")
-    as_directory = dst.is_dir() or named_directory
+    as_directory = dst.is_dir() or named_directory or (not dst.exists() and dst.suffix != ".safetensors")
     if sharded and not as_directory:
         raise ValueError(f"DST {dst}: a sharded checkpoint needs a directory, got a file name")
     if as_directory and not dst.exists() and dst.suffix in (*SHARD_SUFFIXES, ".json"):

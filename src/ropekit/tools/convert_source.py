@@ -166,7 +166,11 @@ def config_sources(ckpt: Checkpoint, names: list[str], config: str | Path | dict
     sources = []
     own = own_config_path(ckpt.directory, names)
     if own is not None:
-        sources.append(config_source(_read_json(own, "config"), f"{own.name} next to SRC", names))
+        try:
+            sources.append(config_source(_read_json(own, "config"), f"{own.name} next to SRC", names))
+        except ValueError as exc:
+            raise ValueError(f"{exc} (SRC's own config is always read; if it is not this checkpoint's, give the "
+                             f"weights a directory of their own)") from None
     if isinstance(config, dict):
         sources.append(config_source(config, "the config passed in", names))
     elif config is not None:
@@ -204,8 +208,10 @@ def _agree(sources: list[Source], name: str) -> tuple[Any, str | None]:
     given = [(getattr(s.spec, name), _label(s, name)) for s in sources if getattr(s.spec, name) is not None]
     for value, label in given[1:]:
         if value != given[0][0]:
+            hint = (" (if that config is not this checkpoint's, give the weights a directory of their own)"
+                    if given[0][1].endswith("next to SRC") else "")
             raise ValueError(f"{name}: {given[0][1]} says {given[0][0]} but {label} says {value}; "
-                             f"refusing to convert with a geometry the checkpoint contradicts")
+                             f"refusing to convert with a geometry the checkpoint contradicts{hint}")
     return given[0] if given else (None, None)
 
 
