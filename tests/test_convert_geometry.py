@@ -173,3 +173,11 @@ def test_an_unreadable_config_next_to_src_is_refused_not_skipped(tmp_path, capsy
     src = model_dir(tmp_path, {"architectures": ["Something"], "vocab_size": 10})
     err = one_line_error(capsys, [src, tmp_path / "out", *H2I, "--heads", HEADS])
     assert "config.json next to SRC: cannot read the head geometry" in err and "directory of their own" in err
+
+
+@pytest.mark.parametrize("flags", [("--heads", 0), ("--heads", -4), ("--heads", 4, "--kv-heads", 0),
+                                   ("--heads", 4, "--head-dim", -8)])
+def test_non_positive_flags_are_refused(tmp_path, capsys, flags):
+    save_file(state(), str(tmp_path / "m.safetensors"))
+    err = one_line_error(capsys, [tmp_path / "m.safetensors", tmp_path / "o.safetensors", *H2I, *flags])
+    assert "must be a positive int" in err

@@ -174,7 +174,8 @@ def convert_checkpoint(
     plan = plan_output(ckpt, dst, force=force)
     result = ConvertResult(src_layout=src_layout, layout_origin=layout_origin, spec=spec,
                            geometry_origin=geometry_origin, carried=[p.name for p in plan.carried],
-                           skipped=plan.skipped, geometry_pinned=any(s.kind != "given" for s in sources))
+                           skipped=plan.skipped,
+                           geometry_pinned=any(s.kind != "given" and s.spec.n_heads for s in sources))
     converted: dict[str, torch.Tensor] = {}
     for layer in layers.values():
         converted.update(convert_layer(layer, before, spec, src_layout, dst_layout))

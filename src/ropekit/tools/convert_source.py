@@ -269,6 +269,12 @@ def resolve_geometry(sources: list[Source], layers: dict[str, QKLayer],
 
     Returns ``(spec with every field set, a sentence saying where it came from)``.
     """
+    for source in sources:
+        for name, flag in FLAGS.items():
+            value = getattr(source.spec, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{flag if source.kind == 'given' else name} must be a positive int, got {value!r} "
+                                 f"({_label(source, name)})")
     values, labels = {}, {}
     for f in fields(HeadSpec):
         if f.name == "base":
