@@ -81,6 +81,8 @@ def test_more_failures_are_one_line_and_exit_code_2(tmp_path, capsys):
     (tmp_path / "garbage.bin").write_bytes(b"not a zip and not a pickle")
     (tmp_path / "exists.safetensors").write_bytes(b"mine")
     (tmp_path / "bad.json").write_text("{")
+    torch.save({0: torch.ones(2)}, tmp_path / "int-keys.pth")
+    torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "nested.pth")
     out = tmp_path / "out"
     cases = [
         (tmp_path / "garbage.bin", out, ["--from", "half"], "not a readable PyTorch checkpoint (Unsupported operand"),
@@ -90,6 +92,8 @@ def test_more_failures_are_one_line_and_exit_code_2(tmp_path, capsys):
         (good, out, ["--from", "half", "--config", tmp_path / "none.json"], "--config file not found"),
         (good, out, ["--from", "half", "--heads", 3], "not divisible by 3 heads"),
         (good, out, ["--heads", 4], "cannot tell the layout of SRC"),
+        (tmp_path / "int-keys.pth", out, ["--from", "half"], "expected a flat state dict (str name -> tensor)"),
+        (tmp_path / "nested.pth", out, ["--from", "half"], "got dict with keys ['model']"),
     ]
     for src, dst, argv, message in cases:
         code = main(["convert", str(src), str(dst), "--to", "interleaved", *map(str, argv)])

@@ -98,9 +98,10 @@ def _load_torch(path: Path) -> Shard:
         raise ValueError(f"{path}: not a readable PyTorch checkpoint ({first_line(ValueError(detail))})") from None
     except Exception as exc:  # a truncated zip, an empty file, a foreign format
         raise ValueError(f"{path}: not a readable PyTorch checkpoint ({first_line(exc)})") from None
-    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+    flat = isinstance(state, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in state.items())
+    if not flat:
         raise ValueError(
-            f"{path}: expected a flat state dict (name -> tensor), got {type(state).__name__}"
+            f"{path}: expected a flat state dict (str name -> tensor), got {type(state).__name__}"
             + (f" with keys {sorted(map(str, state))[:5]}" if isinstance(state, dict) else "")
         )
     return Shard(path.name, dict(state), None)

@@ -205,7 +205,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--to", dest="dst_layout", required=True, choices=LAYOUTS, help="layout to write")
     p.add_argument("--from", dest="src_layout", choices=LAYOUTS,
                    help="layout of SRC (default: its ropekit metadata or the config next to it; required without)")
-    p.add_argument("--config", help="a config.json or params.json besides the one next to SRC (read by default)")
+    p.add_argument("--config", help="a config.json or params.json, in addition to the one next to SRC (always read)")
     p.add_argument("--heads", type=int, help="number of query heads (default: from the config)")
     p.add_argument("--kv-heads", type=int, help="number of key/value heads (default: config, else the k rows)")
     p.add_argument("--head-dim", type=int, help="channels per head (default: config, else the q rows / --heads)")
