@@ -1,7 +1,5 @@
 """``ropekit convert``: layout conversion of checkpoints (safetensors single/sharded, torch .bin)."""
 
-import argparse
-import hashlib
 import json
 from pathlib import Path
 
@@ -10,71 +8,24 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from convert_helpers import (
+    H2I,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    KV,
+    RECORDED,
+    assert_identical,
+    digest,
+    parse,
+    run,
+    state,
+    write_sharded,
+)
 from ropekit.tools import checkpoint_io
 from ropekit.tools import convert as conv
 
 torch.set_num_threads(1)
-
-HEADS, KV, HEAD_DIM, HIDDEN = 4, 2, 8, 16
-
-
-def parse(*argv):
-    parser = argparse.ArgumentParser()
-    conv.add_parser(parser.add_subparsers(dest="verb"))
-    return parser.parse_args(["convert", *map(str, argv)])
-
-
-def run(*argv):
-    return conv.run(parse(*argv))
-
-
-def state(layers=2, bias=False, meta=False, kv=KV, head_dim=HEAD_DIM):
-    g = torch.Generator().manual_seed(1)
-    sd = {}
-    for i in range(layers):
-        if meta:
-            p = f"layers.{i}.attention."
-            names = {"q": p + "wq", "k": p + "wk", "v": p + "wv"}
-        else:
-            p = f"model.layers.{i}.self_attn."
-            names = {"q": p + "q_proj", "k": p + "k_proj", "v": p + "v_proj"}
-        sd[names["q"] + ".weight"] = torch.randn(HEADS * head_dim, HIDDEN, generator=g).to(torch.bfloat16)
-        sd[names["k"] + ".weight"] = torch.randn(kv * head_dim, HIDDEN, generator=g).to(torch.bfloat16)
-        sd[names["v"] + ".weight"] = torch.randn(kv * head_dim, HIDDEN, generator=g).to(torch.float16)
-        if bias:
-            sd[names["q"] + ".bias"] = torch.randn(HEADS * head_dim, generator=g).to(torch.bfloat16)
-            sd[names["k"] + ".bias"] = torch.randn(kv * head_dim, generator=g).to(torch.bfloat16)
-    sd["model.embed_tokens.weight"] = torch.randn(32, HIDDEN, generator=g).to(torch.float16)
-    sd["model.norm.weight"] = torch.randn(HIDDEN, generator=g)
-    sd["step"] = torch.tensor([7], dtype=torch.int64)
-    return sd
-
-
-def write_sharded(sd, directory: Path):
-    directory.mkdir()
-    names = list(sd)
-    half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
-    weight_map = {}
-    for fname, keys in shards.items():
-        save_file({k: sd[k] for k in keys}, str(directory / fname), metadata={"format": "pt", "origin": fname})
-        weight_map.update({k: fname for k in keys})
-    index = {"metadata": {"total_size": 123}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
-    return directory
-
-
-def digest(path: Path):
-    files = sorted(path.rglob("*")) if path.is_dir() else [path]
-    return {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.is_file()}
-
-
-def assert_identical(a, b):
-    assert a.keys() == b.keys()
-    for name in a:
-        assert a[name].dtype == b[name].dtype, name
-        assert torch.equal(a[name].view(torch.uint8) if a[name].dim() else a[name],
-                           b[name].view(torch.uint8) if b[name].dim() else b[name]), name
 
 
 def test_single_file_round_trip_bit_exact(tmp_path):
@@ -82,9 +33,10 @@ def test_single_file_round_trip_bit_exact(tmp_path):
     src = tmp_path / "model.safetensors"
     save_file(sd, str(src), metadata={"format": "pt", "note": "keep me"})
     before = digest(src)
-    assert run(src, tmp_path / "inter.safetensors", "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV) == 0
-    assert run(tmp_path / "inter.safetensors", tmp_path / "back.safetensors", "--to", "half",
+    assert run(src, tmp_path / "inter.safetensors", *H2I,
                "--heads", HEADS, "--kv-heads", KV) == 0
+    # the way back needs no flags: the first run recorded the layout and the geometry it used
+    assert run(tmp_path / "inter.safetensors", tmp_path / "back.safetensors", "--to", "half") == 0
     assert digest(src) == before  # input untouched
     inter = load_file(str(tmp_path / "inter.safetensors"))
     assert_identical(load_file(str(tmp_path / "back.safetensors")), sd)
@@ -93,14 +45,16 @@ def test_single_file_round_trip_bit_exact(tmp_path):
         assert changed == (("q_proj" in name) or ("k_proj" in name)), name
         assert inter[name].dtype == sd[name].dtype
     with safe_open(str(tmp_path / "inter.safetensors"), "pt") as f:
-        assert f.metadata() == {"format": "pt", "note": "keep me"}
+        assert f.metadata() == {"format": "pt", "note": "keep me", **RECORDED, "ropekit_layout": "interleaved"}
+    with safe_open(str(tmp_path / "back.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt", "note": "keep me", **RECORDED, "ropekit_layout": "half"}
 
 
 def test_permutation_matches_layouts_permute(tmp_path):
     sd = state(bias=True)
     src = tmp_path / "m.safetensors"
     save_file(sd, str(src))
-    run(src, tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV)
+    run(src, tmp_path / "o.safetensors", *H2I, "--heads", HEADS, "--kv-heads", KV)
     out = load_file(str(tmp_path / "o.safetensors"))
     from ropekit import permute_qk_weight
 
@@ -113,16 +67,17 @@ def test_sharded_with_index(tmp_path):
     sd = state(layers=3, bias=True)
     src = write_sharded(sd, tmp_path / "src")
     before = digest(src)
-    assert run(src / "model.safetensors.index.json", tmp_path / "dst", "--to", "interleaved",
+    assert run(src / "model.safetensors.index.json", tmp_path / "dst", *H2I,
                "--heads", HEADS, "--kv-heads", KV, "--verify") == 0
-    assert run(tmp_path / "dst", tmp_path / "back", "--to", "half", "--heads", HEADS, "--kv-heads", KV) == 0
+    assert run(tmp_path / "dst", tmp_path / "back", "--to", "half", "--verify") == 0
     assert digest(src) == before
     for d in ("dst", "back"):
         index = json.loads((tmp_path / d / "model.safetensors.index.json").read_text())
         assert index == json.loads((src / "model.safetensors.index.json").read_text())
+        layout = "interleaved" if d == "dst" else "half"
         for fname in set(index["weight_map"].values()):
             with safe_open(str(tmp_path / d / fname), "pt") as f:
-                assert f.metadata() == {"format": "pt", "origin": fname}
+                assert f.metadata() == {"format": "pt", "origin": fname, **RECORDED, "ropekit_layout": layout}
                 assert set(f.keys()) == {k for k, v in index["weight_map"].items() if v == fname}
     back = {}
     for fname in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
@@ -183,7 +138,7 @@ def test_verify_detects_a_wrong_conversion(tmp_path, monkeypatch, capsys):
     src = tmp_path / "m.safetensors"
     save_file(state(), str(src))
     monkeypatch.setattr(conv, "permute_qk_weight", lambda w, n, **kw: w.flip(0).contiguous())
-    assert run(src, tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV,
+    assert run(src, tmp_path / "o.safetensors", *H2I, "--heads", HEADS, "--kv-heads", KV,
                "--verify") == 1
     assert "FAILED" in capsys.readouterr().err
     assert not (tmp_path / "o.safetensors").exists()
@@ -195,9 +150,9 @@ def test_refuses_overwrite_without_force(tmp_path):
     dst = tmp_path / "o.safetensors"
     dst.write_bytes(b"precious")
     with pytest.raises(FileExistsError, match="--force"):
-        run(src, dst, "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV)
+        run(src, dst, *H2I, "--heads", HEADS, "--kv-heads", KV)
     assert dst.read_bytes() == b"precious"
-    assert run(src, dst, "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV, "--force") == 0
+    assert run(src, dst, *H2I, "--heads", HEADS, "--kv-heads", KV, "--force") == 0
     assert load_file(str(dst)).keys() == state().keys()
 
 
@@ -207,13 +162,13 @@ def test_refuses_to_write_over_input(tmp_path):
     save_file(sd, str(src))
     before = digest(src)
     with pytest.raises(ValueError, match="input"):
-        run(src, src, "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV, "--force")
+        run(src, src, *H2I, "--heads", HEADS, "--kv-heads", KV, "--force")
     (tmp_path / "link.safetensors").hardlink_to(src)
     with pytest.raises(ValueError, match="input"):
-        run(src, tmp_path / "link.safetensors", "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV, "--force")
+        run(src, tmp_path / "link.safetensors", *H2I, "--heads", HEADS, "--kv-heads", KV, "--force")
     shard_dir = write_sharded(sd, tmp_path / "sharded")
     with pytest.raises(ValueError, match="input"):
-        run(shard_dir, shard_dir, "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV, "--force")
+        run(shard_dir, shard_dir, *H2I, "--heads", HEADS, "--kv-heads", KV, "--force")
     assert digest(src) == before
 
 
@@ -231,26 +186,28 @@ def test_atomic_on_failure_mid_write(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint_io, "save_safetensors", failing)
     with pytest.raises(OSError, match="disk full"):
-        run(src, tmp_path / "dst", "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV)
-    assert list((tmp_path / "dst").iterdir()) == []  # neither final files nor temporaries
+        run(src, tmp_path / "dst", *H2I, "--heads", HEADS, "--kv-heads", KV)
+    assert len(calls) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no staging directory left
 
 
 @pytest.mark.parametrize(
     ("argv", "error", "match"),
     [
         (["--heads", 3, "--kv-heads", 1], ValueError, "not divisible by 3 heads"),
+        (["--heads", 4, "--kv-heads", 4], ValueError, r"k_proj.weight' has 16 output rows, but 4 key/value heads"),
         (["--heads", 4, "--kv-heads", 3], ValueError, "multiple of n_kv_heads"),
         (["--heads", 4, "--kv-heads", 2, "--head-dim", 4], ValueError, "head_dim 4"),
         (["--heads", 4, "--kv-heads", 2, "--q-pattern", r"nothing$", "--k-pattern", r"nada$"], ValueError,
          "no q/k projection"),
-        ([], ValueError, "--heads"),
+        ([], ValueError, "no --heads"),
     ],
 )
 def test_errors(tmp_path, argv, error, match):
     src = tmp_path / "m.safetensors"
     save_file(state(), str(src))
     with pytest.raises(error, match=match):
-        run(src, tmp_path / "o.safetensors", "--to", "interleaved", *argv)
+        run(src, tmp_path / "o.safetensors", *H2I, *argv)
     assert not (tmp_path / "o.safetensors").exists()
 
 
@@ -260,7 +217,7 @@ def test_error_missing_k_and_unknown_layout(tmp_path):
     src = tmp_path / "m.safetensors"
     save_file(sd, str(src))
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj\.weight.*no matching k"):
-        run(src, tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS, "--kv-heads", KV)
+        run(src, tmp_path / "o.safetensors", *H2I, "--heads", HEADS, "--kv-heads", KV)
     args = parse(src, tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS)
     args.dst_layout = "neox"
     with pytest.raises(ValueError, match="neox"):
@@ -287,7 +244,7 @@ def test_fused_qkv_permutes_q_and_k_rows_only(tmp_path, layout):
     kv = KV if layout == "concat" else HEADS  # GPT-NeoX has one k/v head per query head
     name, sd = fused_state(layout, kv=kv)
     save_file(sd, str(tmp_path / "m.safetensors"))
-    assert run(tmp_path / "m.safetensors", tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS,
+    assert run(tmp_path / "m.safetensors", tmp_path / "o.safetensors", *H2I, "--heads", HEADS,
                "--kv-heads", kv, "--rotary-dim", 4, "--verify") == 0
     out = load_file(str(tmp_path / "o.safetensors"))
     for kind in ("weight", "bias"):
@@ -320,7 +277,7 @@ def test_qk_norms_permuted_with_the_head_channels(tmp_path):
             sd[f"model.layers.{i}.self_attn.{role}_norm.weight"] = torch.rand(HEAD_DIM, generator=g) + 0.5
     sd["model.layers.0.input_layernorm.weight"] = torch.rand(HIDDEN, generator=g)
     save_file(sd, str(tmp_path / "m.safetensors"))
-    assert run(tmp_path / "m.safetensors", tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS,
+    assert run(tmp_path / "m.safetensors", tmp_path / "o.safetensors", *H2I, "--heads", HEADS,
                "--kv-heads", KV, "--verify") == 0
     out = load_file(str(tmp_path / "o.safetensors"))
     perm = channel_permutation(HEAD_DIM, "half", "interleaved")
@@ -362,6 +319,6 @@ def test_fused_and_norm_errors(tmp_path, extra, heads, kv, match):
     sd = {**state(), **extra}
     save_file(sd, str(tmp_path / "m.safetensors"))
     with pytest.raises(ValueError, match=match):
-        run(tmp_path / "m.safetensors", tmp_path / "o.safetensors", "--to", "interleaved", "--heads", heads,
+        run(tmp_path / "m.safetensors", tmp_path / "o.safetensors", *H2I, "--heads", heads,
             "--kv-heads", kv)
     assert not (tmp_path / "o.safetensors").exists()
