@@ -77,7 +77,8 @@ def common_arguments(parser: argparse.ArgumentParser, quick: Sizes) -> None:
     parser.add_argument("--quick", action="store_true", help=f"width {quick.dim}, {quick.layers} layers, "
                         f"{quick.steps} steps: a smoke test of the pipeline")
     parser.add_argument("--threads", type=at_least(1), metavar="N",
-                        help="CPU threads (default: torch's default, which follows OMP_NUM_THREADS)")
+                        help="CPU threads (default 1, whatever OMP_NUM_THREADS says: a second thread "
+                        "gains little on these small models and costs much when other jobs share the cores)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--max-chars", type=at_least(1000), help=argparse.SUPPRESS)  # tests: a slice of the corpus
 
