@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         with prepared_outputs(args):
             return args.func(args)
     except KeyboardInterrupt:
-        print(f"ropekit {verb or ''}: interrupted".replace(" :", ":"), file=sys.stderr)
+        print(f"{'ropekit ' + verb if verb else 'ropekit'}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of stdout went away (`ropekit inspect ... | head`): nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes

@@ -54,7 +54,7 @@ def _raised_by_ropekit(exc: BaseException) -> bool:
 
 def _names_user_path(exc: OSError, args: argparse.Namespace) -> bool:
     """Whether ``exc`` is about a path argument, something inside it, or a folder on the way to it."""
-    given = [os.path.abspath(v) for value in vars(args).values()
+    given = [os.path.abspath(v) for dest, value in vars(args).items() if dest != "verb"
              for v in (value if isinstance(value, list) else [value]) if isinstance(v, (str, os.PathLike))]
     for name in (exc.filename, exc.filename2):
         if isinstance(name, (str, bytes, os.PathLike)):
