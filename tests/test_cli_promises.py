@@ -279,6 +279,9 @@ def test_import_ropekit_is_lazy_and_complete():
     for name, module in ropekit._EXPORTS.items():
         assert getattr(ropekit, name) is getattr(importlib.import_module(f"ropekit.{module}"), name), name
     assert ropekit.scaling is importlib.import_module("ropekit.scaling")
+    probe = "import ropekit; print(ropekit.nn.RotarySelfAttention.__name__, ropekit.functional.__name__)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, timeout=120)
+    assert done.stdout.split() == ["RotarySelfAttention", "ropekit.functional"], done.stderr  # subpackages as before
     with pytest.raises(AttributeError, match="no attribute 'apply_rotary_pos_emb'"):
         ropekit.apply_rotary_pos_emb  # noqa: B018
 

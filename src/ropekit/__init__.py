@@ -13,6 +13,7 @@ arguments, and answers ``--help`` and ``--version``, before any verb pays for to
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 # public name -> the submodule that defines it
@@ -76,10 +77,10 @@ def _version() -> str:
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"{__name__}.{name}")
     elif name == "__version__":
         value = _version()
+    elif name in _SUBMODULES or importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")  # ropekit.nn, ropekit.functional, ... as before
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value  # later look-ups skip this function

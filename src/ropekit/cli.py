@@ -260,8 +260,7 @@ _TORCH_PARSERS = {
 }
 
 
-def _analysis_verbs(verbs: Any) -> None:
-    """Register inspect, decay, report and bench."""
+def _add_inspect(verbs: Any) -> None:
     inspect = verbs.add_parser("inspect", help="a config's rotary frequencies, pair by pair",
                                description="Print a config's RoPE: layout, dimensions, base, scaling rule, attention "
                                "scale, and per pair theta_i, wavelength, rotations in the context and regime.")
@@ -273,6 +272,8 @@ def _analysis_verbs(verbs: Any) -> None:
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(func=cmd_inspect)
 
+
+def _add_decay(verbs: Any) -> None:
     decay = verbs.add_parser("decay", help="RoFormer's long-term decay bound against distance",
                              description="(1/(d/2)) sum_{j=1..d/2} |S_j|, S_j = sum_{i<j} exp(1j r theta_i), "
                              "for r = 0..N (RoFormer eq. 37, Figure 2).")
@@ -284,6 +285,8 @@ def _analysis_verbs(verbs: Any) -> None:
     declare_output_file(decay, "png", "--png")
     decay.set_defaults(func=cmd_decay)
 
+
+def _add_report(verbs: Any) -> None:
     report = verbs.add_parser("report", help="an HTML report with figures and live checks",
                               description="Write DIR/index.html and PNG figures about a RoPE config (default: head_dim "
                               "128, base 10000, 4096 tokens) and print the path.")
@@ -293,6 +296,8 @@ def _analysis_verbs(verbs: Any) -> None:
     report.add_argument("--json", action="store_true", help="print a JSON summary instead of the path")
     report.set_defaults(func=cmd_report)
 
+
+def _add_bench(verbs: Any) -> None:
     bench = verbs.add_parser("bench", help="speed of every backend against a plain copy")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     bench.add_argument("--device", choices=("cpu", "cuda"), help="default: CUDA when available")
@@ -313,7 +318,8 @@ def build_parser(verb: str | None = None, *, lazy: bool = False) -> argparse.Arg
     parser = Parser(prog="ropekit", description="Rotary Position Embedding toolkit.")
     parser.add_argument("--version", action="version", version=f"ropekit {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="<verb>")
-    _analysis_verbs(verbs)
+    for add in (_add_inspect, _add_decay, _add_report, _add_bench):
+        add(verbs)
     for name, (module, help_line) in _TORCH_PARSERS.items():
         if not lazy or verb == name:
             importlib.import_module(module).add_parser(verbs)

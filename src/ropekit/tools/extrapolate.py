@@ -157,20 +157,12 @@ def run(args: argparse.Namespace) -> int:
         if rope and finetune_steps > 0:
             table.update(finetune_lengths(model, corpus, sizes.context, sizes.eval_tokens, finetune_steps,
                                           0.1 * sizes.lr, args.seed))
-    summary = {
-        "train_context": sizes.context,
-        "multiples": list(MULTIPLES),
-        "lengths": [sizes.context * m for m in MULTIPLES],
-        "attention": args.attention,
-        "val_loss": table,
-        "not_applicable": {"learned": "a learned position table has no rows past the training length"},
-        "runs": [record for _, record in trained],
-        "corpus": {"source": corpus.source, "val_chars": corpus.val.numel()},
-        "sizes": vars(sizes),
-        "seed": args.seed,
-        "finetune_steps": finetune_steps,
-        "quick": args.quick,
-    }
+    summary = {"train_context": sizes.context, "multiples": list(MULTIPLES),
+               "lengths": [sizes.context * m for m in MULTIPLES], "attention": args.attention, "val_loss": table,
+               "not_applicable": {"learned": "a learned position table has no rows past the training length"},
+               "runs": [record for _, record in trained], "corpus": {"source": corpus.source,
+               "val_chars": corpus.val.numel()}, "sizes": vars(sizes), "seed": args.seed,
+               "finetune_steps": finetune_steps, "quick": args.quick}
     title = f"trained at {sizes.context} chars ({args.attention} attention, {corpus.source}, seed {args.seed})"
     write_bytes_atomic(out / "extrapolation.png", extrapolation_png(table, sizes.context, title))
     write_json(out / "extrapolation.json", summary)
