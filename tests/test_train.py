@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit.tools import charlm, extrapolate, lab_options, train
+from ropekit.tools import charlm, extrapolate, files, lab_options, train
 from ropekit.tools.charlm import CharLM, CharLMConfig, load_corpus, load_model, save_model, split_verses
 from ropekit.tools.train import Sizes, evaluate, train_one, val_windows
 
@@ -176,24 +176,20 @@ class Killed(BaseException):
 
 
 def kill_before_change(patch: pytest.MonkeyPatch, n: int) -> None:
-    """Raise :class:`Killed` instead of the ``n``-th change to a visible file (``os.replace`` into it, ``os.unlink``).
+    """Raise :class:`Killed` instead of the ``n``-th change to a visible file: a replace into it or its removal.
 
-    Changes to hidden files (the atomic writer's temporaries) pass through uncounted.
+    ``tools.files.fs_step`` is called before every file-system step; the steps inside a hidden
+    staging directory change nothing a reader sees, so a kill there equals a kill before the replace.
     """
-    real_replace, real_unlink, count = os.replace, os.unlink, [0]
+    count = [0]
 
-    def change(real, target):
-        def wrapper(*args, **kwargs):
-            if not Path(args[target]).name.startswith("."):
-                count[0] += 1
-                if count[0] > n:
-                    raise Killed
-            return real(*args, **kwargs)
+    def step(action, path):
+        if action in ("replace", "unlink"):
+            count[0] += 1
+            if count[0] > n:
+                raise Killed
 
-        return wrapper
-
-    patch.setattr(os, "replace", change(real_replace, 1))
-    patch.setattr(os, "unlink", change(real_unlink, 0))
+    patch.setattr(files, "fs_step", step)
 
 
 VERBS = {"train": (train, "results.json"), "extrapolate": (extrapolate, "extrapolation.json")}

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import files
 from .charlm import CharLM, CharLMConfig, Corpus, load_corpus, save_model
 from .files import write_bytes_atomic
 from .lab_options import COMPARE, DEFAULT, QUICK, Sizes, sizes_for
@@ -208,7 +209,9 @@ def retire(out: Path, *names: str) -> None:
     describes the model files next to it, and a missing one says that the run did not finish.
     """
     for name in names:
-        (out / name).unlink(missing_ok=True)
+        if (out / name).exists():
+            files.fs_step("unlink", out / name)
+            (out / name).unlink()
 
 
 def load_results(out: str | Path, name: str = "results.json") -> dict:
