@@ -1,7 +1,9 @@
-"""The ``ropekit`` console script, run as a real subprocess: inspect, decay, help and every error path.
+"""The ``ropekit`` command line, run as a real subprocess and through ``main``: inspect, decay, help, errors.
 
-Each subprocess pays for ``import torch`` (~1.5 s), so independent invocations are started
-together and awaited together.
+Each subprocess that computes pays for ``import torch`` (~1.5 s), so independent invocations are
+started together and awaited together. The command line's promises (one line and exit code 2 for
+bad input, 130 on Ctrl-C, no torch before the arguments are parsed, output checks before the
+work) are in tests/test_cli_promises.py.
 """
 
 import json
@@ -22,18 +24,19 @@ torch.set_num_threads(1)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 SCRIPT = Path(sys.executable).parent / "ropekit"
-COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ropekit.cli"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ropekit"]
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def ropekit(*argvs: list[str], cwd=None) -> list[subprocess.CompletedProcess]:
+def ropekit(*argvs: list[str], cwd=None, command=None) -> list[subprocess.CompletedProcess]:
     """Run ``ropekit <argv>`` for each argv concurrently; return the completed processes in order."""
-    procs = [subprocess.Popen([*COMMAND, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+    command = command or COMMAND
+    procs = [subprocess.Popen([*command, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
                               env=ENV) for argv in argvs]
     results = []
     for argv, proc in zip(argvs, procs, strict=True):
         out, err = proc.communicate(timeout=300)
-        results.append(subprocess.CompletedProcess([*COMMAND, *argv], proc.returncode, out, err))
+        results.append(subprocess.CompletedProcess([*command, *argv], proc.returncode, out, err))
     return results
 
 
@@ -178,7 +181,9 @@ def test_more_errors_in_process(bad_inputs, capsys):
 @pytest.mark.parametrize("argv", [[], ["inspect", "--config", "a.json", "--preset", "llama-2"], ["decay", "--dim", "8"],
                                   ["decay", "--dim", "8", "--max-distance", "4", "--base", "-3"], ["frobnicate"],
                                   ["inspect", "--context", "0"]])
-def test_usage_errors_exit_2(argv, capsys):
+def test_usage_errors_are_one_line_and_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
-    assert info.value.code == 2 and "usage: ropekit" in capsys.readouterr().err
+    lines = capsys.readouterr().err.splitlines()
+    assert info.value.code == 2 and len(lines) == 1 and lines[0].startswith("ropekit")
+    assert ": error: " in lines[0] and lines[0].endswith(" --help)"), lines

@@ -5,8 +5,11 @@ dozen steps); the experiments themselves are in docs/experiments.md.
 """
 
 import argparse
+import io
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit.tools import charlm, extrapolate, train
+from ropekit.tools import charlm, extrapolate, files, lab_options, train
 from ropekit.tools.charlm import CharLM, CharLMConfig, load_corpus, load_model, save_model, split_verses
 from ropekit.tools.train import Sizes, evaluate, train_one, val_windows
 
@@ -30,8 +33,8 @@ def corpus():
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     verbs = parser.add_subparsers(dest="verb")
-    train.add_parser(verbs)
-    extrapolate.add_parser(verbs)
+    lab_options.add_train_parser(verbs)
+    lab_options.add_extrapolate_parser(verbs)
     return parser.parse_args(list(argv))
 
 
@@ -154,16 +157,154 @@ def test_extrapolate_short_finetune_rows(tmp_path):
 
 
 def test_console_script_train(tmp_path):
-    from ropekit.cli import build_parser
-
-    verbs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    if "train" not in verbs.choices:
-        pytest.skip("cli.py does not register the train verb yet (train.add_parser)")
     script = Path(sys.executable).parent / "ropekit"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "ropekit.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "ropekit"]
     done = subprocess.run([*command, "train", "--encoding", "rope", "--attention", "linear", "--quick", "--steps",
                            "4", "--context", "16", "--max-chars", str(MAX_CHARS), "--threads", "1", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+                           str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     assert "rope" in done.stdout and "4/4" in done.stderr  # the progress bar
     assert json.loads((tmp_path / "results.json").read_text())["runs"][0]["attention"] == "linear"
+
+
+# -- consistency of an output folder after an interruption ------------------------------------------
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL: raised before a file-system change, caught by no ``except`` in the verbs."""
+
+
+def kill_before_change(patch: pytest.MonkeyPatch, n: int) -> None:
+    """Raise :class:`Killed` instead of the ``n``-th change to a visible file: a replace into it or its removal.
+
+    ``tools.files.fs_step`` is called before every file-system step; the steps inside a hidden
+    staging directory change nothing a reader sees, so a kill there equals a kill before the replace.
+    """
+    count = [0]
+
+    def step(action, path):
+        if action in ("replace", "unlink"):
+            count[0] += 1
+            if count[0] > n:
+                raise Killed
+
+    patch.setattr(files, "fs_step", step)
+
+
+VERBS = {"train": (train, "results.json"), "extrapolate": (extrapolate, "extrapolation.json")}
+
+
+def verb_args(verb: str, out: Path, seed: int) -> argparse.Namespace:
+    extra = ["--compare"] if verb == "train" else ["--finetune-steps", "1"]
+    return parse(verb, *extra, "--quick", "--steps", "2", "--context", "8", "--out", str(out), "--seed", str(seed),
+                 "--max-chars", str(MAX_CHARS), "--threads", "1", "--no-progress")
+
+
+def model_seeds(out: Path) -> dict[str, int]:
+    """``{model file name: seed of the run inside it}``, read from the model files themselves."""
+    return {p.name: torch.load(p, weights_only=True)["record"]["seed"] for p in sorted(out.glob("model-*.pt"))}
+
+
+@pytest.mark.parametrize("verb", list(VERBS))
+def test_a_summary_always_describes_the_model_files_next_to_it(tmp_path, verb, capsys):
+    """A run with seed 2 rewrites a folder holding a finished seed-1 run and is killed before each change in turn."""
+    module, summary_name = VERBS[verb]
+    finished = tmp_path / "seed1"
+    assert module.run(verb_args(verb, finished, seed=1)) == 0
+    seeds_after_kill = []
+    for n in range(20):
+        out = tmp_path / f"killed-{n}"
+        shutil.copytree(finished, out)
+        with pytest.MonkeyPatch.context() as patch:
+            kill_before_change(patch, n)
+            try:
+                done = module.run(verb_args(verb, out, seed=2)) == 0
+            except Killed:
+                done = False
+        seeds = model_seeds(out)
+        summary_path = out / summary_name
+        if summary_path.exists():  # it must describe exactly the model files beside it: one run, the files' own
+            summary = json.loads(summary_path.read_text())
+            listed = {record["model_file"]: record["seed"] for record in summary["runs"]}
+            assert listed == seeds and len(set(seeds.values())) == 1, (n, listed, seeds)
+            for record in summary["runs"]:
+                saved = torch.load(out / record["model_file"], weights_only=True)["record"]
+                assert saved["final_val_loss"] == record["final_val_loss"], (n, record["model_file"])
+            assert train.load_results(out, summary_name) == summary
+        if done:
+            break
+        seeds_after_kill.append(sorted(set(seeds.values())))
+    assert done and set(model_seeds(out).values()) == {2}
+    assert [1, 2] in seeds_after_kill  # some kill left a mix of old and new model files: the case that matters
+    capsys.readouterr()
+
+
+def test_load_results_rejects_a_model_file_of_another_run(tmp_path, capsys):
+    assert train.run(verb_args("train", tmp_path, seed=1)) == 0
+    assert train.load_results(tmp_path)["runs"][0]["seed"] == 1
+    rope, sinusoidal = tmp_path / "model-rope-softmax.pt", tmp_path / "model-sinusoidal-softmax.pt"
+    rope.write_bytes(sinusoidal.read_bytes())
+    with pytest.raises(ValueError, match="model-rope-softmax.pt"):
+        train.load_results(tmp_path)
+    rope.unlink()
+    with pytest.raises(ValueError, match="does not exist"):
+        train.load_results(tmp_path)
+    capsys.readouterr()
+
+
+def test_progress_bar_ends_its_line_when_the_loop_is_interrupted():
+    stream = io.StringIO()
+    with pytest.raises(KeyboardInterrupt), train.Progress("rope/softmax", 10, stream) as bar:
+        bar.update(5, 2.0, None)
+        raise KeyboardInterrupt
+    assert stream.getvalue().startswith("\rrope/softmax") and stream.getvalue().endswith("s\n")
+    silent = io.StringIO()
+    with train.Progress("x", 3, silent, enabled=False) as bar:
+        bar.update(1, 1.0, None)
+    assert silent.getvalue() == ""
+
+
+# -- failing early -----------------------------------------------------------------------------------
+
+
+def test_extrapolate_checks_the_context_against_the_corpus_before_training(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "train_one", lambda *a, **k: pytest.fail("trained before checking --context"))
+    args = parse("extrapolate", "--quick", "--context", "20000", "--out", str(tmp_path), "--max-chars",
+                 str(MAX_CHARS), "--threads", "1", "--no-progress")
+    with pytest.raises(ValueError, match="--context 20000: evaluating at 8x needs 160,001 validation characters"):
+        extrapolate.run(args)
+
+
+def test_one_thread_unless_asked():
+    """Not every core: two OpenMP threads on a shared 2-core machine made ``extrapolate --quick`` 10x slower."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        train.set_threads(argparse.Namespace(threads=None))
+        assert torch.get_num_threads() == 1
+        train.set_threads(argparse.Namespace(threads=2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_quick_means_the_small_sizes(tmp_path, monkeypatch):
+    """``extrapolate --quick`` trains four models and evaluates them at 8x: smaller than ``train --quick``."""
+
+    class Stop(Exception):
+        pass
+
+    def capture(args, corpus, sizes, *rest):
+        seen.append(sizes)
+        raise Stop
+
+    seen = []
+    monkeypatch.setattr(extrapolate, "train_all", capture)
+    for argv in (["--quick"], [], ["--quick", "--steps", "9", "--context", "12"]):
+        with pytest.raises(Stop):
+            extrapolate.run(parse("extrapolate", *argv, "--out", str(tmp_path), "--max-chars", str(MAX_CHARS)))
+    assert seen[:2] == [lab_options.QUICK_EXTRAPOLATE, lab_options.DEFAULT]
+    assert (seen[2].steps, seen[2].context, seen[2].dim) == (9, 12, lab_options.QUICK_EXTRAPOLATE.dim)
+    quick, full = lab_options.QUICK_EXTRAPOLATE, lab_options.QUICK
+    assert quick.steps * quick.context < full.steps * full.context

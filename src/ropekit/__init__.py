@@ -3,19 +3,39 @@
 Layers, bottom to top: frequencies (inv_freq, cos/sin tables, scaling rules) ·
 backends (reference float64 matrices, torch kernels) · functional (apply_rotary) ·
 nn (modules) · tools and cli.
+
+The public names below are imported on first use (PEP 562 module ``__getattr__``), so that
+``import ropekit`` alone does not import torch: the ``ropekit`` command line parses its
+arguments, and answers ``--help`` and ``--version``, before any verb pays for torch.
+``from ropekit import apply_rotary`` and ``ropekit.apply_rotary`` work as with eager imports.
 """
 
-from . import backends, scaling
-from .backends.reference import apply_reference, rotation_matrix
-from .config import RopeConfig
-from .frequencies import base_inv_freq, cos_sin, inv_frequencies, rotation_angles
-from .functional import apply_rotary, apply_rotary_qk, rotate_qk
-from .layouts import channel_permutation, convert_layout, permute_qk_weight
-from .nn.rotary import RotaryEmbedding
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
+# public name -> the submodule that defines it
+_EXPORTS = {
+    "RopeConfig": "config",
+    "RotaryEmbedding": "nn.rotary",
+    "apply_reference": "backends.reference",
+    "rotation_matrix": "backends.reference",
+    "base_inv_freq": "frequencies",
+    "cos_sin": "frequencies",
+    "inv_frequencies": "frequencies",
+    "rotation_angles": "frequencies",
+    "apply_rotary": "functional",
+    "apply_rotary_qk": "functional",
+    "rotate_qk": "functional",
+    "channel_permutation": "layouts",
+    "convert_layout": "layouts",
+    "permute_qk_weight": "layouts",
+}
+_SUBMODULES = ("backends", "scaling")
+
+__all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "RopeConfig",
     "RotaryEmbedding",
     "apply_reference",
@@ -33,3 +53,39 @@ __all__ = [
     "rotation_matrix",
     "scaling",
 ]
+
+if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names are imported on first use
+    from . import backends, scaling
+    from .backends.reference import apply_reference, rotation_matrix
+    from .config import RopeConfig
+    from .frequencies import base_inv_freq, cos_sin, inv_frequencies, rotation_angles
+    from .functional import apply_rotary, apply_rotary_qk, rotate_qk
+    from .layouts import channel_permutation, convert_layout, permute_qk_weight
+    from .nn.rotary import RotaryEmbedding
+
+
+def _version() -> str:
+    """The installed distribution's version (``version`` in pyproject.toml is the one source)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ropekit")
+    except PackageNotFoundError:  # a source tree on sys.path that was never installed
+        return "0+unknown"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    elif name == "__version__":
+        value = _version()
+    elif name in _SUBMODULES or importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")  # ropekit.nn, ropekit.functional, ... as before
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, "__version__"})

@@ -1,30 +1,44 @@
 """The ``ropekit`` command line: ``ropekit <verb> [options]``.
 
 Verbs: ``inspect`` (a config's rotary frequencies, pair by pair), ``decay`` (RoFormer's long-term
-decay bound), ``report`` (an HTML page with figures and live checks), ``bench`` (speed table).
-Each verb is a small function; the numbers come from :mod:`ropekit.tools`. Errors in user input
-(missing file, malformed JSON, unknown rope type, bad value) end with a one-line message on
-stderr and exit code 2, never a traceback; a report whose live checks fail exits with 1.
+decay bound), ``report`` (an HTML page with figures and live checks), ``bench`` (speed table),
+``convert``, ``train`` and ``extrapolate``. Each verb is a small function; the numbers come from
+:mod:`ropekit.tools`. Arguments are parsed before torch is imported (``--help`` and ``--version``
+never import it); each verb imports its machinery when it runs.
+
+How a run ends, whatever the verb (:func:`main` applies the rule, the verbs do not):
+
+- exit 0, or 1 for a report whose live checks fail;
+- exit 2 and one line ``ropekit <verb>: error: <message>`` on stderr for bad input: a usage error
+  (argparse), a :class:`UserError`, a ``ValueError``/``TypeError``/``OSError`` raised by a
+  ``raise`` statement in ropekit's own code (the library's validation, whose messages name the
+  argument, what was expected and what was given), and an ``OSError`` on a path the user named
+  (that path, a file inside it, or a folder on the way to it: permission denied, disk full, ...);
+- exit 130 and ``ropekit <verb>: interrupted`` on Ctrl-C;
+- anything else is a bug and keeps Python's traceback (exit 1): ``KeyError``, ``AttributeError``,
+  ``RuntimeError``, a ``ValueError`` raised inside torch or by a builtin such as ``int("x")``, an
+  ``OSError`` on one of ropekit's own files.
+
+Output folders and files a verb declares (``--out``, ``decay --png``) are checked before the verb
+runs (:mod:`ropekit.tools.outputs`); an output folder the run created is removed again when the
+run fails or is interrupted and the folder is still empty.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .tools.files import write_bytes_atomic
-
-
-class UserError(Exception):
-    """Bad input from the command line: printed as one line, exit code 2."""
-
+from .cli_errors import Parser, UserError, user_error_message
+from .tools.lab_options import add_extrapolate_parser, add_train_parser
+from .tools.outputs import add_out_argument, declare_output_file, prepared_outputs
 
 # -- input -------------------------------------------------------------------------------------------
 
@@ -72,12 +86,12 @@ def _positive(kind: type) -> Any:
     return parse
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    """:func:`ropekit.tools.files.write_bytes_atomic`, with a one-line error for a missing directory."""
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise UserError(f"directory does not exist: {target.parent}")
-    write_bytes_atomic(target, data)
+def _one_thread() -> Any:
+    """Import torch and run on one thread (the analyses are many small ops: faster on small machines)."""
+    import torch
+
+    torch.set_num_threads(1)
+    return torch
 
 
 def _number(value: float) -> str:
@@ -94,6 +108,7 @@ def _print_json(data: Any) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a config's rotary embedding: dimensions, rule, attention scale and a table per pair."""
+    _one_thread()
     from .tools.analysis import describe
 
     config, label = load_config(args.config, args.preset, args.layer_type)
@@ -149,22 +164,24 @@ def _print_inspect_summary(info: dict) -> None:
 
 def cmd_decay(args: argparse.Namespace) -> int:
     """RoFormer's long-term decay bound (seed 001, eq. 37) for each distance 0..N."""
-    from .frequencies import base_inv_freq
-    from .tools.analysis import decay_bound
-
     if args.dim <= 0 or args.dim % 2:
         raise UserError(f"--dim must be a positive even number (the rotary dimension), got {args.dim}")
     if not 0 <= args.max_distance <= 10_000_000:
         raise UserError(f"--max-distance must be in 0..10,000,000, got {args.max_distance:,}")
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        raise UserError("--png needs matplotlib: pip install 'ropekit[report]'")
+    torch = _one_thread()
+    from .frequencies import base_inv_freq
+    from .tools.analysis import decay_bound
+
     inv_freq = base_inv_freq(args.dim, args.base)
     distance = torch.arange(args.max_distance + 1)
     bound = decay_bound(inv_freq, distance)
     if args.png:
-        if importlib.util.find_spec("matplotlib") is None:
-            raise UserError("--png needs matplotlib: pip install 'ropekit[report]'")
         from .tools.figures import decay_curve_figure
+        from .tools.files import write_bytes_atomic
 
-        _write_atomic(args.png, decay_curve_figure(distance, bound, f"d={args.dim}, base {_number(args.base)}"))
+        write_bytes_atomic(args.png, decay_curve_figure(distance, bound, f"d={args.dim}, base {_number(args.base)}"))
     if args.json:
         _print_json({"dim": args.dim, "base": args.base, "distance": distance.tolist(), "bound": bound.tolist()})
         return 0
@@ -181,6 +198,7 @@ def cmd_decay(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Write the HTML report (figures, live checks, speed table) and print the path of index.html."""
+    _one_thread()
     from .tools.report import write_report
 
     config, label = load_config(args.config, args.preset, args.layer_type)
@@ -197,6 +215,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Time every backend against a plain copy of the same bytes (see ropekit.tools.bench)."""
+    import torch
+
     from .tools import bench
 
     if args.threads:
@@ -222,11 +242,25 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which rope parameters of a per-layer-type config (e.g. full_attention)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with one sub-parser per verb."""
-    parser = argparse.ArgumentParser(prog="ropekit", description="Rotary Position Embedding toolkit.")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="<verb>")
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    from .tools.presets import preset_names
 
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", metavar="PATH", help="a model's config.json (any form RopeConfig.from_hf reads)")
+    source.add_argument("--preset", metavar="NAME", help=f"a named config: {', '.join(preset_names())}")
+    parser.add_argument("--layer-type", metavar="TYPE",
+                        help="which rope parameters of a per-layer-type config (e.g. full_attention)")
+
+
+#: Verbs whose parser lives in a module that imports torch: imported only when they are the verb to run,
+#: else listed by name and help line. The help line must match the module's (tests compare them).
+_TORCH_PARSERS = {
+    "convert": ("ropekit.tools.convert",
+                "permute a checkpoint's q/k projections between the half and interleaved RoPE layouts"),
+}
+
+
+def _add_inspect(verbs: Any) -> None:
     inspect = verbs.add_parser("inspect", help="a config's rotary frequencies, pair by pair",
                                description="Print a config's RoPE: layout, dimensions, base, scaling rule, attention "
                                "scale, and per pair theta_i, wavelength, rotations in the context and regime.")
@@ -238,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(func=cmd_inspect)
 
+
+def _add_decay(verbs: Any) -> None:
     decay = verbs.add_parser("decay", help="RoFormer's long-term decay bound against distance",
                              description="(1/(d/2)) sum_{j=1..d/2} |S_j|, S_j = sum_{i<j} exp(1j r theta_i), "
                              "for r = 0..N (RoFormer eq. 37, Figure 2).")
@@ -246,43 +282,82 @@ def build_parser() -> argparse.ArgumentParser:
     decay.add_argument("--max-distance", type=int, required=True, metavar="N", help="largest relative distance")
     decay.add_argument("--png", metavar="PATH", help="also draw the curve into this PNG file")
     decay.add_argument("--json", action="store_true", help="machine-readable output: keys distance and bound")
+    declare_output_file(decay, "png", "--png")
     decay.set_defaults(func=cmd_decay)
 
+
+def _add_report(verbs: Any) -> None:
     report = verbs.add_parser("report", help="an HTML report with figures and live checks",
                               description="Write DIR/index.html and PNG figures about a RoPE config (default: head_dim "
                               "128, base 10000, 4096 tokens) and print the path.")
-    report.add_argument("--out", metavar="DIR", default="ropekit-report", help="output directory (default "
-                        "./ropekit-report)")
+    add_out_argument(report, "ropekit-report")
     _config_arguments(report)
     report.add_argument("--quick", action="store_true", help="small sizes: under a minute on two cores")
     report.add_argument("--json", action="store_true", help="print a JSON summary instead of the path")
     report.set_defaults(func=cmd_report)
 
+
+def _add_bench(verbs: Any) -> None:
     bench = verbs.add_parser("bench", help="speed of every backend against a plain copy")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     bench.add_argument("--device", choices=("cpu", "cuda"), help="default: CUDA when available")
-    bench.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: torch's default)")
+    bench.add_argument("--threads", type=_positive(int), metavar="N", help="CPU threads (default: torch's default)")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.set_defaults(func=cmd_bench)
 
-    from .tools import convert, extrapolate, train
 
-    convert.add_parser(verbs)
-    train.add_parser(verbs)
-    extrapolate.add_parser(verbs)
+def build_parser(verb: str | None = None, *, lazy: bool = False) -> argparse.ArgumentParser:
+    """The argument parser with one sub-parser per verb.
+
+    With ``lazy``, the verbs in :data:`_TORCH_PARSERS` other than ``verb`` (the verb about to run,
+    ``None`` for none) get a placeholder with their help line, so that parsing any other command
+    line, ``--help`` included, does not import torch.
+    """
+    from . import __version__
+
+    parser = Parser(prog="ropekit", description="Rotary Position Embedding toolkit.")
+    parser.add_argument("--version", action="version", version=f"ropekit {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="<verb>")
+    for add in (_add_inspect, _add_decay, _add_report, _add_bench):
+        add(verbs)
+    for name, (module, help_line) in _TORCH_PARSERS.items():
+        if not lazy or verb == name:
+            importlib.import_module(module).add_parser(verbs)
+        else:
+            verbs.add_parser(name, help=help_line)
+    add_train_parser(verbs)
+    add_extrapolate_parser(verbs)
     return parser
 
 
+# -- how a run ends ----------------------------------------------------------------------------------
+
+
+def _verb_in(argv: list[str]) -> str | None:
+    """The verb of a command line (the first word that is not an option), before parsing."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``ropekit`` console script."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.verb != "bench":
-        torch.set_num_threads(1)  # the analyses are many small ops: one thread is faster on small machines
+    """Entry point of the ``ropekit`` console script and ``python -m ropekit``; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    verb = _verb_in(argv)
+    args = None
     try:
-        return args.func(args)
-    except (UserError, ValueError, OSError) as exc:  # library validation errors name the argument and value
-        print(f"ropekit {args.verb}: error: {exc}", file=sys.stderr)
+        args = build_parser(verb, lazy=True).parse_args(argv)
+        with prepared_outputs(args):
+            return args.func(args)
+    except KeyboardInterrupt:
+        print(f"{'ropekit ' + verb if verb else 'ropekit'}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of stdout went away (`ropekit inspect ... | head`): nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 1
+    except (UserError, ValueError, TypeError, OSError) as exc:
+        message = None if args is None else user_error_message(exc, args)
+        if message is None:
+            raise
+        print(f"ropekit {args.verb}: error: {message}", file=sys.stderr)
         return 2
 
 

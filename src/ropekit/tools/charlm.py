@@ -15,6 +15,7 @@ one verse per line: ``{"citation", "text", "book", "chapter", "verse"}``), fetch
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -37,9 +38,8 @@ from ..nn import (
     SinusoidalPositionalEncoding,
 )
 from .files import write_bytes_atomic
+from .lab_options import ATTENTIONS, ENCODINGS
 
-ENCODINGS = ("rope", "rope-interleaved", "sinusoidal", "learned", "none")
-ATTENTIONS = ("softmax", "linear")
 VAL_EVERY_CHAPTER = 20  # every 20th chapter is held out: 5% of the text, spread over the whole book
 
 #: Used only when the KJV cannot be fetched (no network): tests say so and skip corpus-specific checks.
@@ -262,11 +262,16 @@ class CharLM(nn.Module):
             block.attn.rope = RotaryEmbedding(old.head_dim, base=old.base, layout=old.layout, scaling=scaling)
 
 
-def save_model(model: CharLM, path: Path, extra: dict | None = None) -> None:
-    """``torch.save({"config", "state_dict", **extra})`` through a temporary file and :func:`os.replace`."""
+def save_model(model: CharLM, path: Path, extra: dict | None = None) -> str:
+    """``torch.save({"config", "state_dict", **extra})`` through a temporary file and :func:`os.replace`.
+
+    Returns the sha256 (hex) of the bytes written, which a summary file records to name this file.
+    """
     buffer = io.BytesIO()
     torch.save({"config": model.config.to_dict(), "state_dict": model.state_dict(), **(extra or {})}, buffer)
-    write_bytes_atomic(path, buffer.getvalue())
+    data = buffer.getvalue()
+    write_bytes_atomic(path, data)
+    return hashlib.sha256(data).hexdigest()
 
 
 def load_model(path: Path) -> tuple[CharLM, dict]:

@@ -9,7 +9,10 @@ YaRN are also shown after a short fine-tune at the longer length (``--finetune-s
 and YaRN prescribe), each on a copy of the trained model. A learned
 table has no rows past ``T``: those cells are reported as not applicable (``null`` in JSON).
 
-Writes ``extrapolation.json``, ``extrapolation.png`` and the model files into ``--out``.
+Writes the model files, ``extrapolation.png`` and ``extrapolation.json`` into ``--out``, in the
+order :mod:`.train` uses: the old summary and figure are removed before the first model file is
+replaced and the summary is written last, so a summary present always describes the model files
+next to it (``load_results(out, "extrapolation.json")`` checks their sha256).
 """
 
 from __future__ import annotations
@@ -21,19 +24,9 @@ import math
 import torch
 
 from ..scaling import NTK, Linear, YaRN
-from .charlm import save_model
-from .train import (
-    COMPARE,
-    corpus_for,
-    evaluate,
-    prepare_out,
-    set_threads,
-    sizes_for,
-    train_one,
-    val_windows,
-    write_bytes_atomic,
-    write_json,
-)
+from .files import write_bytes_atomic
+from .lab_options import COMPARE, FINETUNE_STEPS, FINETUNE_STEPS_QUICK, QUICK_EXTRAPOLATE, sizes_for
+from .train import corpus_for, evaluate, prepare_out, set_threads, train_all, val_windows, write_json
 
 MULTIPLES = (1, 2, 4, 8)
 ROPE_VARIANTS = {
@@ -143,38 +136,36 @@ def format_table(table: dict[str, list], context: int) -> str:
 def run(args: argparse.Namespace) -> int:
     """The ``extrapolate`` verb."""
     set_threads(args)
-    sizes = sizes_for(args)
+    sizes = sizes_for(args, QUICK_EXTRAPOLATE)
+    finetune_steps = args.finetune_steps
+    if finetune_steps is None:
+        finetune_steps = FINETUNE_STEPS_QUICK if args.quick else FINETUNE_STEPS
     out = prepare_out(args.out)
     corpus = corpus_for(args)
+    longest = sizes.context * MULTIPLES[-1]
+    if corpus.val.numel() < longest + 1:  # checked before training, not after it
+        raise ValueError(f"--context {sizes.context}: evaluating at {MULTIPLES[-1]}x needs {longest + 1:,} "
+                         f"validation characters, the corpus has {corpus.val.numel():,}")
+    trained = train_all(args, corpus, sizes, COMPARE, out,
+                        lambda e: f"model-{e}-{args.attention}-ctx{sizes.context}.pt",
+                        ("extrapolation.json", "extrapolation.png"))
     table: dict[str, list] = {}
-    runs = []
-    for encoding in COMPARE:
-        model, record = train_one(corpus, encoding, args.attention, sizes, args.seed, progress=not args.no_progress)
-        name = f"model-{encoding}-{args.attention}-ctx{sizes.context}.pt"
-        save_model(model, out / name, {"vocab": corpus.vocab, "record": record})
-        record["model_file"] = name
-        runs.append(record)
+    for model, _ in trained:
+        rope = model.config.encoding == "rope"
         table.update(evaluate_lengths(model, corpus, sizes.context, sizes.eval_tokens,
-                                      ROPE_VARIANTS if encoding == "rope" else None))
-        if encoding == "rope" and args.finetune_steps > 0:
-            table.update(finetune_lengths(model, corpus, sizes.context, sizes.eval_tokens, args.finetune_steps,
+                                      ROPE_VARIANTS if rope else None))
+        if rope and finetune_steps > 0:
+            table.update(finetune_lengths(model, corpus, sizes.context, sizes.eval_tokens, finetune_steps,
                                           0.1 * sizes.lr, args.seed))
-    summary = {
-        "train_context": sizes.context,
-        "multiples": list(MULTIPLES),
-        "lengths": [sizes.context * m for m in MULTIPLES],
-        "attention": args.attention,
-        "val_loss": table,
-        "not_applicable": {"learned": "a learned position table has no rows past the training length"},
-        "runs": runs,
-        "corpus": {"source": corpus.source, "val_chars": corpus.val.numel()},
-        "sizes": vars(sizes),
-        "seed": args.seed,
-        "finetune_steps": args.finetune_steps,
-    }
-    write_json(out / "extrapolation.json", summary)
+    summary = {"train_context": sizes.context, "multiples": list(MULTIPLES),
+               "lengths": [sizes.context * m for m in MULTIPLES], "attention": args.attention, "val_loss": table,
+               "not_applicable": {"learned": "a learned position table has no rows past the training length"},
+               "runs": [record for _, record in trained], "corpus": {"source": corpus.source,
+               "val_chars": corpus.val.numel()}, "sizes": vars(sizes), "seed": args.seed,
+               "finetune_steps": finetune_steps, "quick": args.quick}
     title = f"trained at {sizes.context} chars ({args.attention} attention, {corpus.source}, seed {args.seed})"
     write_bytes_atomic(out / "extrapolation.png", extrapolation_png(table, sizes.context, title))
+    write_json(out / "extrapolation.json", summary)
     print(f"validation loss (nats/char), trained at context {sizes.context}; scaling factor = eval length / "
           f"{sizes.context}")
     print(format_table(table, sizes.context))
@@ -183,22 +174,3 @@ def run(args: argparse.Namespace) -> int:
         print("warning: some losses are not finite")
     print(f"wrote {out / 'extrapolation.json'} and {out / 'extrapolation.png'}")
     return 0
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register the ``extrapolate`` verb."""
-    from .charlm import ATTENTIONS
-    from .train import common_arguments
-
-    parser = subparsers.add_parser(
-        "extrapolate", help="train short, evaluate at 1x-8x the length (RoPE +- Linear/NTK/YaRN, absolute)",
-        description="Train the character LM at --context per encoding, then report validation loss at 1x, 2x, "
-        "4x and 8x that length, with Linear, NTK and YaRN scaling applied to RoPE at evaluation only.")
-    parser.add_argument("--attention", choices=ATTENTIONS, default="softmax", help="attention (default softmax)")
-    parser.add_argument("--out", metavar="DIR", default="ropekit-extrapolate", help="output directory (default "
-                        "./ropekit-extrapolate)")
-    parser.add_argument("--finetune-steps", type=int, default=50, metavar="N",
-                        help="steps of the short fine-tune for Linear and YaRN at each longer length (0: none)")
-    common_arguments(parser)
-    parser.set_defaults(func=run)
-    return parser

