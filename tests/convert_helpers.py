@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ropekit.tools import convert as conv
+from ropekit.cli import convert as conv
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",

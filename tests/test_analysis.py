@@ -1,4 +1,4 @@
-"""ropekit.tools.analysis / experiments / presets against independent numpy computations and RopeConfig."""
+"""ropekit.rope.analysis / experiments / presets against independent numpy computations and RopeConfig."""
 
 import json
 import math
@@ -10,8 +10,10 @@ import torch
 
 import ropekit
 from ropekit import RopeConfig
+from ropekit.config import presets
+from ropekit.lab import experiments
+from ropekit.rope import analysis
 from ropekit.scaling import Llama3, YaRN
-from ropekit.tools import analysis, experiments, presets
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""``ropekit.tools.bench``: the rows it produces (what is timed next to what), their spread and flags.
+"""``ropekit.lab.bench``: the rows it produces (what is timed next to what), their spread and flags.
 
 Never the timings themselves: the flagging logic is driven by synthetic timings.
 """
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ropekit import backends
-from ropekit.cli import main
-from ropekit.tools import bench, bench_rows
+from ropekit.cli.entry import main
+from ropekit.lab import bench, bench_rows
 
 
 def test_rows_pair_every_backend_with_its_floor():

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ropekit import RopeConfig
-from ropekit.cli import main
+from ropekit.cli.entry import main
 
 torch.set_num_threads(1)
 

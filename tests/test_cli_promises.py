@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 
 import ropekit
-from ropekit import cli
-from ropekit.cli import main
+from ropekit.cli import common as cli_common
+from ropekit.cli import entry as cli
+from ropekit.cli import inspect as cli_inspect
+from ropekit.cli.entry import main
 
 SCRIPT = Path(sys.executable).parent / "ropekit"
 CONSOLE = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ropekit"]
@@ -102,7 +104,7 @@ def test_bad_output_fails_before_torch_is_imported(hostile):
 
 
 def builtin_error_inside_ropekit(args):
-    return cli._number("forty")  # float("forty") raises inside ropekit code, but no raise statement does
+    return cli_common.number("forty")  # float("forty") raises inside ropekit code, but no raise statement does
 
 
 @pytest.mark.parametrize("bug, kind", [
@@ -113,7 +115,7 @@ def builtin_error_inside_ropekit(args):
     (lambda args: open("/nonexistent-ropekit-internal-file"), FileNotFoundError),
 ])
 def test_bugs_keep_their_traceback(monkeypatch, bug, kind):
-    monkeypatch.setattr(cli, "cmd_inspect", bug)
+    monkeypatch.setattr(cli_inspect, "run", bug)
     with pytest.raises(kind):
         main(["inspect"])
 
@@ -124,7 +126,7 @@ def test_library_validation_and_user_paths_are_user_errors(monkeypatch, tmp_path
         lambda args: open(Path(args.config) / "inside.json"): f"No such file or directory: '{tmp_path}",
     }
     for verb, words in cases.items():
-        monkeypatch.setattr(cli, "cmd_inspect", verb)
+        monkeypatch.setattr(cli_inspect, "run", verb)
         assert main(["inspect", "--config", str(tmp_path)]) == 2
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == 1 and lines[0].startswith("ropekit inspect: error: ") and words in lines[0], lines
@@ -138,7 +140,7 @@ def interrupted(args):
 
 
 def test_a_failed_run_removes_only_the_empty_folders_it_created(monkeypatch, tmp_path, capsys):
-    from ropekit.tools import train
+    from ropekit.lab import train
 
     monkeypatch.setattr(train, "run", interrupted)
     assert main(["train", "--out", str(tmp_path / "new" / "deeper")]) == 130
@@ -157,9 +159,9 @@ def test_a_failed_run_removes_only_the_empty_folders_it_created(monkeypatch, tmp
     assert (tmp_path / "kept" / "model.pt").read_bytes() == b"something of value"
 
 
-@pytest.mark.parametrize("verb, module, attribute", [("train", "ropekit.tools.train", "run"),
-                                                     ("extrapolate", "ropekit.tools.extrapolate", "run"),
-                                                     ("report", "ropekit.tools.report", "write_report")])
+@pytest.mark.parametrize("verb, module, attribute", [("train", "ropekit.lab.train", "run"),
+                                                     ("extrapolate", "ropekit.lab.extrapolate", "run"),
+                                                     ("report", "ropekit.lab.report", "write_report")])
 def test_unwritable_output_fails_before_the_work(monkeypatch, tmp_path, capsys, verb, module, attribute):
     monkeypatch.setattr(importlib.import_module(module), attribute, lambda *a, **k: pytest.fail("worked first"))
     a_file = tmp_path / "a-file"
@@ -254,10 +256,7 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_no_empty_folder(tmp_path):
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], *[[verb, "--help"] for verb in VERBS]],
                          ids=lambda argv: " ".join(argv))
-def test_help_and_version_do_not_import_torch(argv, request):
-    if argv == ["convert", "--help"]:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="tools/convert.py imports torch at module level; "
-                                              "its parser moves to the cli layer with the per-verb modules"))
+def test_help_and_version_do_not_import_torch(argv):
     done = subprocess.run([sys.executable, "-c", NO_TORCH_RUNNER, *argv], capture_output=True, text=True, env=ENV,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-300:] if done.returncode != 99 else "torch was imported"
@@ -286,13 +285,14 @@ def test_import_ropekit_is_lazy_and_complete():
         ropekit.apply_rotary_pos_emb  # noqa: B018
 
 
-def test_lazy_parser_lists_the_same_verbs_as_the_full_one(capsys):
-    helps = []
-    for lazy in (False, True):
-        with pytest.raises(SystemExit):
-            cli.build_parser(None, lazy=lazy).parse_args(["--help"])
-        helps.append(capsys.readouterr().out)
-    assert helps[0] == helps[1] and all(verb in helps[0] for verb in VERBS)
+def test_every_verb_is_a_module_of_the_cli_package(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--help"])
+    listed = capsys.readouterr().out
+    assert set(cli.VERBS) == set(VERBS) and all(verb in listed for verb in VERBS)
+    for verb in VERBS:  # one module per verb, each with its parser and its run
+        module = importlib.import_module(f"ropekit.cli.{verb}")
+        assert callable(module.add_parser) and callable(module.run), verb
 
 
 def test_a_closed_pipe_ends_quietly():

@@ -22,8 +22,9 @@ from convert_helpers import (
     state,
     write_sharded,
 )
-from ropekit.tools import checkpoint_io
-from ropekit.tools import convert as conv
+from ropekit.checkpoints import convert as conv
+from ropekit.checkpoints import storage as checkpoint_io
+from ropekit.cli import convert as cli_convert
 
 torch.set_num_threads(1)
 
@@ -221,7 +222,7 @@ def test_error_missing_k_and_unknown_layout(tmp_path):
     args = parse(src, tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS)
     args.dst_layout = "neox"
     with pytest.raises(ValueError, match="neox"):
-        conv.run(args)
+        cli_convert.run(args)
     with pytest.raises(ValueError, match="SRC does not exist"):
         run(tmp_path / "nope.safetensors", tmp_path / "o.safetensors", "--to", "half", "--heads", HEADS)
 
@@ -289,7 +290,7 @@ def test_qk_norms_permuted_with_the_head_channels(tmp_path):
 
 
 def test_verify_catches_unpermuted_norm_and_changed_v(tmp_path, monkeypatch):
-    from ropekit.tools.qk_tensors import find_layers
+    from ropekit.checkpoints.qk_tensors import find_layers
 
     sd = state(layers=1)
     sd["model.layers.0.self_attn.q_norm.weight"] = torch.rand(HEAD_DIM) + 0.5

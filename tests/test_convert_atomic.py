@@ -20,9 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from convert_helpers import ENV, H2I, llama_config, parse, run, state, write_sharded
-from ropekit.tools import convert as conv
-from ropekit.tools import files
+from convert_helpers import ENV, H2I, llama_config, run, state, write_sharded
+from ropekit import files
 
 torch.set_num_threads(1)
 
@@ -154,7 +153,7 @@ def killed_at(stop, argv):
                     os.kill(os.getpid(), signal.SIGKILL)
 
             files.fs_step = kill
-            conv.run(parse(*argv))
+            run(*argv)
         except BaseException:
             code = 3
         finally:
@@ -182,7 +181,7 @@ def test_sigkill_at_every_step_leaves_old_or_new_and_the_next_run_cleans_up(requ
 
 PAUSE = """
 import os, sys, time
-from ropekit.tools import files
+from ropekit import files
 seen = []
 def pause(action, path):
     seen.append(action)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from convert_helpers import ENV, llama_config, state, write_sharded
-from ropekit.cli import main
+from ropekit.cli.entry import main
 
 torch.set_num_threads(1)
 
@@ -27,7 +27,7 @@ class Payload:
 
 
 def launch(*argv):
-    return subprocess.Popen([sys.executable, "-m", "ropekit.cli", "convert", *map(str, argv)], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "ropekit", "convert", *map(str, argv)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV)
 
 
@@ -75,7 +75,7 @@ def test_every_failure_is_one_line_and_exit_code_2_in_a_subprocess(tmp_path):
 
 
 def test_more_failures_are_one_line_and_exit_code_2(tmp_path, capsys):
-    """The same through ``ropekit.cli.main`` in-process (an exception it does not handle would fail here too)."""
+    """The same through ``ropekit.cli.entry`` in-process (an exception it does not handle would fail here too)."""
     good = tmp_path / "good.safetensors"
     save_file(state(), str(good))
     (tmp_path / "garbage.bin").write_bytes(b"not a zip and not a pickle")

@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 
 from convert_helpers import H2I, HEAD_DIM, HEADS, HIDDEN, KV, llama_config, run, state
 from ropekit import permute_qk_weight
-from ropekit.cli import main
-from ropekit.tools import convert as conv
-from ropekit.tools.convert_source import HeadSpec
-from ropekit.tools.qk_tensors import find_layers
+from ropekit.checkpoints import convert as conv
+from ropekit.checkpoints.qk_tensors import find_layers
+from ropekit.checkpoints.source import HeadSpec
+from ropekit.cli.entry import main
 
 torch.set_num_threads(1)
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from convert_helpers import HEADS, KV, RECORDED, digest, llama_config, run, state, write_sharded
 from ropekit import permute_qk_weight
-from ropekit.cli import main
+from ropekit.cli.entry import main
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""``ropekit.tools.files``: the whole file or the old one, modes that follow the umask, no leftovers that pile up."""
+"""``ropekit.files``: the whole file or the old one, modes that follow the umask, no leftovers that pile up."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from convert_helpers import llama_config, run, state, write_sharded
-from ropekit.tools import files
+from ropekit import files
 
 torch.set_num_threads(1)
 

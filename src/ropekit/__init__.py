@@ -18,20 +18,20 @@ from typing import TYPE_CHECKING, Any
 
 # public name -> the submodule that defines it
 _EXPORTS = {
-    "RopeConfig": "config",
+    "RopeConfig": "config.rope_config",
     "RotaryEmbedding": "nn.rotary",
     "apply_reference": "backends.reference",
     "rotation_matrix": "backends.reference",
-    "base_inv_freq": "frequencies",
-    "cos_sin": "frequencies",
-    "inv_frequencies": "frequencies",
-    "rotation_angles": "frequencies",
+    "base_inv_freq": "rope.frequencies",
+    "cos_sin": "rope.frequencies",
+    "inv_frequencies": "config.rules",
+    "rotation_angles": "rope.frequencies",
     "apply_rotary": "functional",
     "apply_rotary_qk": "functional",
     "rotate_qk": "functional",
-    "channel_permutation": "layouts",
-    "convert_layout": "layouts",
-    "permute_qk_weight": "layouts",
+    "channel_permutation": "rope.layouts",
+    "convert_layout": "rope.layouts",
+    "permute_qk_weight": "rope.layouts",
 }
 _SUBMODULES = ("backends", "scaling")
 
@@ -55,13 +55,14 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
 ]
 
 if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names are imported on first use
-    from . import backends, scaling
+    from . import backends
     from .backends.reference import apply_reference, rotation_matrix
     from .config import RopeConfig
-    from .frequencies import base_inv_freq, cos_sin, inv_frequencies, rotation_angles
     from .functional import apply_rotary, apply_rotary_qk, rotate_qk
-    from .layouts import channel_permutation, convert_layout, permute_qk_weight
     from .nn.rotary import RotaryEmbedding
+    from .rope import scaling
+    from .rope.frequencies import base_inv_freq, cos_sin, inv_frequencies, rotation_angles
+    from .rope.layouts import channel_permutation, convert_layout, permute_qk_weight
 
 
 def _version() -> str:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from . import backends
-from ._checks import check_float_tensor, check_layout
+from .validation import check_float_tensor, check_layout
 
 _FAST_CACHE_SIZE = 256
 _fast_single: dict[tuple, Callable] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_float_tensor, check_layout
+from ..validation import check_float_tensor, check_layout
 
 
 def pair_indices(rotary_dim: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_float_tensor, check_layout
+from ..validation import check_float_tensor, check_layout
 from . import cpu_native, pair_of, torch_eager
 from . import triton_rotary as kern
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from ..config import RopeConfig
-from ..frequencies import cos_sin
 from ..functional import apply_rotary_qk
+from ..rope.frequencies import cos_sin
 
 _ACTIVE: list[tuple[str, str]] = []  # (layout, backend) of the patched attention now running
 _INSTALLED: dict[str, list[Any]] = {}  # modeling module name -> [original apply_rotary_pos_emb, users]

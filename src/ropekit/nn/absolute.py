@@ -20,9 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._checks import check_even_positive, check_positions, check_positive_float
-from ..frequencies import base_inv_freq, rotation_angles
-from .attention import positive_int
+from ..rope.frequencies import base_inv_freq, rotation_angles
+from ..validation import check_even_positive, check_positions, check_positive_float, positive_int
 
 
 def _check_x(x: Any, dim: int) -> tuple[int, int]:

@@ -18,39 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..validation import check_hidden_states, positive_int, resolve_head_dim
 from .rotary import RotaryEmbedding
 
 # ``enable_gqa`` appeared in torch 2.5; older versions get k/v repeated per query head.
 _SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
-
-
-def positive_int(value: Any, name: str) -> int:
-    """Return ``value`` if it is a positive int, else raise ``TypeError``/``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
-
-
-def resolve_head_dim(embed_dim: int, num_heads: int, head_dim: int | None) -> int:
-    """``head_dim``, or ``embed_dim // num_heads`` when not given; always a positive even int."""
-    if head_dim is None:
-        if embed_dim % num_heads:
-            raise ValueError(
-                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}) when head_dim is not given"
-            )
-        head_dim = embed_dim // num_heads
-        if head_dim % 2:
-            raise ValueError(
-                f"head_dim = embed_dim // num_heads = {embed_dim} // {num_heads} = {head_dim} must be even "
-                "(RoPE rotates channel pairs); pass an even head_dim explicitly"
-            )
-        return head_dim
-    head_dim = positive_int(head_dim, "head_dim")
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even (RoPE rotates channel pairs), got {head_dim}")
-    return head_dim
 
 
 def build_rope(
@@ -74,17 +46,6 @@ def build_rope(
             "pass either rope or rotary_dim/base/layout/scaling, not both: a given rope already fixes them"
         )
     return rope
-
-
-def check_input(x: Any, embed_dim: int) -> tuple[int, int]:
-    """Check that ``x`` is a float ``(batch, seq, embed_dim)`` tensor; return ``(batch, seq)``."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if not x.dtype.is_floating_point:
-        raise TypeError(f"x must have a floating dtype, got {x.dtype}")
-    if x.dim() != 3 or x.shape[-1] != embed_dim:
-        raise ValueError(f"x must have shape (batch, seq, embed_dim={embed_dim}), got {tuple(x.shape)}")
-    return x.shape[0], x.shape[1]
 
 
 class KVCache:
@@ -326,7 +287,7 @@ class RotarySelfAttention(nn.Module):
         Returns:
             Tensor ``(batch, seq, embed_dim)`` with ``x``'s dtype.
         """
-        batch, seq = check_input(x, self.embed_dim)
+        batch, seq = check_hidden_states(x, self.embed_dim)
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a ropekit.nn.KVCache or None, got {type(cache).__name__}")
         past = 0 if cache is None else cache.length

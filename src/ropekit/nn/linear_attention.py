@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import build_rope, check_input, positive_int, resolve_head_dim
+from ..validation import check_hidden_states, positive_int, resolve_head_dim
+from .attention import build_rope
 
 
 def feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +118,7 @@ class RotaryLinearAttention(nn.Module):
         Returns:
             Tensor ``(batch, seq, embed_dim)`` with ``x``'s dtype.
         """
-        check_input(x, self.embed_dim)
+        check_hidden_states(x, self.embed_dim)
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         phi_q = feature_map(self._split_heads(self.q_proj(x), work))  # (b, H, N, d)
         phi_k = feature_map(self._split_heads(self.k_proj(x), work))

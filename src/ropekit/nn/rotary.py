@@ -7,9 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._checks import check_even_positive, check_layout, check_positions, check_positive_float
-from ..frequencies import cos_sin, inv_frequencies
 from ..functional import apply_rotary, apply_rotary_qk
+from ..rope.frequencies import cos_sin, inv_frequencies
+from ..validation import check_even_positive, check_layout, check_positions, check_positive_float
 
 _MIN_TABLE = 256
 

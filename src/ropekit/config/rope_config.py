@@ -1,0 +1,268 @@
+"""``RopeConfig``: everything that fixes a model's rotary embedding, and how to read it from ``config.json``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..rope.scaling import DynamicNTK, LongRoPE, Proportional
+from ..validation import check_even_positive, check_layout, check_length, check_positive_float
+from .rules import METADATA_KEYS, PLAIN_ROPE_TYPES, inv_frequencies, rope_type_of, rule_from_dict
+
+#: Model types whose Hugging Face checkpoints pair channels ``(2i, 2i+1)`` (complex / interleaved
+#: apply). ``rope_interleave`` in a config overrides this table either way.
+INTERLEAVED_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "llama4", "llama4_text", "gptj", "codegen"})
+#: Rope types whose ``original_max_position_embeddings`` a top-level key overrides (Phi-3), as in Hugging Face.
+_ORIGINAL_LENGTH_TYPES = ("yarn", "llama3", "longrope")
+#: Older names of the keys from_hf reads.
+_ALIASES = {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_positions": "max_position_embeddings"}
+#: ``rotary_pct`` of configs that leave it out (Hugging Face's GPTNeoXConfig default).
+_DEFAULT_ROTARY_PCT = {"gpt_neox": 0.25}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """The rotary embedding of one attention layer (type): dimensions, base, layout and scaling.
+
+    Args:
+        head_dim: channels per attention head (even).
+        rotary_dim: rotated channels (even, ``<= head_dim``); default ``head_dim``.
+        base: RoPE base (``rope_theta``).
+        layout: ``"half"`` (HF / GPT-NeoX ``rotate_half``) or ``"interleaved"`` (RoFormer / Meta).
+        scaling: ``None`` or a rule from :mod:`ropekit.scaling` (a rope dict is converted with
+              :func:`ropekit.config.rules.rule_from_dict`).
+        max_positions: the model's ``max_position_embeddings`` (informational; ``None`` if unknown).
+
+    Construction checks everything, including that the rule fits ``rotary_dim`` (LongRoPE lists).
+    """
+
+    head_dim: int
+    rotary_dim: int | None = None
+    base: float = 10000.0
+    layout: str = "half"
+    scaling: Any = None
+    max_positions: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        check_even_positive(self.head_dim, "head_dim")
+        rotary_dim = self.head_dim if self.rotary_dim is None else check_even_positive(self.rotary_dim, "rotary_dim")
+        if rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim must not exceed head_dim ({self.head_dim}), got {rotary_dim}")
+        set_(self, "rotary_dim", rotary_dim)
+        set_(self, "base", check_positive_float(self.base, "base"))
+        check_layout(self.layout)
+        max_positions = self.max_positions
+        if max_positions is not None and (isinstance(max_positions, bool) or not isinstance(max_positions, int)
+                                          or max_positions <= 0):
+            raise ValueError(f"max_positions must be a positive int or None, got {max_positions!r}")
+        if isinstance(self.scaling, Mapping):
+            rule = rule_from_dict(self.scaling, max_position_embeddings=max_positions, rotary_dim=rotary_dim)
+            set_(self, "scaling", rule)
+        if self.scaling is not None and not callable(getattr(self.scaling, "compute", None)):
+            raise TypeError(f"scaling must be None or a ropekit.scaling rule, got {type(self.scaling).__name__}")
+        self.inv_frequencies()  # the rule's own checks against rotary_dim and base
+
+    def inv_frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+        """``(inv_freq, attention_scale)`` as :func:`ropekit.inv_frequencies` (float64, ``(rotary_dim // 2,)``)."""
+        return inv_frequencies(self.rotary_dim, self.base, self.scaling, seq_len=seq_len)
+
+    @classmethod
+    def from_hf(
+        cls,
+        config: Any,
+        *,
+        layer_type: str | None = None,
+        layout: str | None = None,
+        fixed_seq_len: int | None = None,
+    ) -> RopeConfig:
+        """Read a Hugging Face ``config.json`` dict or ``transformers`` config object.
+
+        Every form in circulation: ``rope_theta`` + ``rope_scaling`` (``type`` or ``rope_type``);
+        v5 ``rope_parameters``, flat or nested per layer type; ``head_dim`` or
+        ``hidden_size / num_attention_heads`` (``qk_rope_head_dim`` for DeepSeek MLA,
+        ``global_head_dim`` for Gemma 4 full attention); ``partial_rotary_factor``, GPT-NeoX
+        ``rotary_pct`` / ``rotary_emb_base``, GPT-J ``rotary_dim``; a top-level
+        ``original_max_position_embeddings`` (Phi-3, which wins as in Hugging Face); Gemma 3's
+        ``rope_local_base_freq``; multimodal configs through ``text_config``.
+
+        Args:
+            config: a ``config.json`` dict or an object with ``to_dict()``.
+            layer_type: which entry of per-layer-type rope parameters to read (e.g.
+                ``"full_attention"``, ``"sliding_attention"``); required when there are several.
+            layout: ``"half"`` or ``"interleaved"``; default ``"half"`` except for configs with
+                ``rope_interleave: true`` and the model types in :data:`INTERLEAVED_MODEL_TYPES`.
+            fixed_seq_len: freeze a length-dependent rule (dynamic NTK, LongRoPE) at this length
+                so that a KV cache stays consistent; ignored for static rules.
+
+        Raises:
+            ValueError: missing or inconsistent keys; the message names the key and the value.
+        """
+        cfg = _as_dict(config)
+        params, layer_type, nested = _rope_params(cfg, layer_type)
+        head_dim = _head_dim(cfg, layer_type)
+        max_positions = cfg.get("max_position_embeddings")
+        kind = rope_type_of(params)
+        base = _first(params.get("rope_theta"), cfg.get("rope_theta"), cfg.get("rotary_emb_base"), 10000.0)
+        if params.get("partial_rotary_factor") is None and cfg.get("partial_rotary_factor") is not None:
+            params["partial_rotary_factor"] = cfg["partial_rotary_factor"]  # as Hugging Face standardizes it
+        top_original = cfg.get("original_max_position_embeddings")
+        if top_original is not None and kind in _ORIGINAL_LENGTH_TYPES and not nested:
+            params["original_max_position_embeddings"] = top_original  # Phi-3: the top-level key wins
+        scaling = None
+        if kind not in PLAIN_ROPE_TYPES:
+            scaling = rule_from_dict(params, max_position_embeddings=max_positions)
+        elif set(params) - METADATA_KEYS:
+            found = ", ".join(f"{key!r}={params[key]!r}" for key in sorted(set(params) - METADATA_KEYS))
+            raise ValueError(f"rope_type {kind!r} (plain RoPE) takes no scaling parameters, got {found}")
+        rotary_dim = head_dim if isinstance(scaling, Proportional) else _rotary_dim(cfg, params, head_dim)
+        if fixed_seq_len is not None:
+            fixed_seq_len = check_length("RopeConfig.from_hf", "fixed_seq_len", fixed_seq_len)
+            if isinstance(scaling, (DynamicNTK, LongRoPE)):
+                scaling = dataclasses.replace(scaling, fixed_seq_len=fixed_seq_len)
+        return cls(
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
+            base=base,
+            layout=_layout(cfg, layout),
+            scaling=scaling,
+            max_positions=max_positions,
+        )
+
+
+def _first(*values: Any) -> Any:
+    return next(value for value in values if value is not None)
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        cfg = dict(config)
+    elif callable(getattr(config, "to_dict", None)):
+        cfg = config.to_dict()
+    else:
+        raise TypeError(f"config must be a config.json dict or a transformers config, got {type(config).__name__}")
+    text = cfg.get("text_config")
+    if isinstance(text, Mapping) and not any(key in cfg for key in ("hidden_size", "head_dim", "n_embd")):
+        cfg = {"model_type": cfg.get("model_type"), **text}  # multimodal wrapper: the language model's rope
+    for alias, key in _ALIASES.items():  # GPT-2 style names (GPT-J, CodeGen)
+        if key not in cfg and alias in cfg:
+            cfg[key] = cfg[alias]
+    return cfg
+
+
+def _is_nested(params: Mapping[str, Any], layer_types: Any) -> bool:
+    if not params:
+        return False
+    if layer_types and any(key in layer_types for key in params):
+        return True
+    return all(isinstance(value, Mapping) or value is None for value in params.values())
+
+
+def _rope_params(cfg: Mapping[str, Any], layer_type: str | None) -> tuple[dict[str, Any], str | None, bool]:
+    """``(flat rope dict for layer_type, layer_type, whether it came from a per-layer-type entry)``."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"rope_scaling / rope_parameters must be a dict, got {params!r}")
+    layer_types = cfg.get("layer_types") or ()
+    if _is_nested(params, layer_types):
+        if layer_type is None:
+            if len(params) != 1:
+                raise ValueError(
+                    f"rope_parameters is given per layer type {sorted(params)}; pass layer_type= one of them"
+                )
+            layer_type = next(iter(params))
+        if layer_type not in params:
+            raise ValueError(f"layer_type {layer_type!r} is not in rope_parameters, which has {sorted(params)}")
+        chosen = params[layer_type]
+        if chosen is None:
+            raise ValueError(f"rope_parameters[{layer_type!r}] is None: layers of that type use no RoPE")
+        return dict(chosen), layer_type, True
+    if layer_type is not None and layer_types and layer_type not in layer_types:
+        raise ValueError(f"layer_type {layer_type!r} is not in layer_types, which has {sorted(set(layer_types))}")
+    local_base = cfg.get("rope_local_base_freq")
+    if local_base is not None:  # Gemma 3 before v5: sliding layers plain RoPE with their own base
+        if layer_type is None:
+            raise ValueError(
+                f"this config has two RoPE setups (rope_theta={cfg.get('rope_theta')!r} for full attention, "
+                f"rope_local_base_freq={local_base!r} for sliding attention); pass layer_type="
+                "'full_attention' or 'sliding_attention'"
+            )
+        if layer_type == "sliding_attention":
+            return {"rope_type": "default", "rope_theta": local_base}, layer_type, False
+    return dict(params), layer_type, False
+
+
+def _head_dim(cfg: Mapping[str, Any], layer_type: str | None) -> int:
+    if cfg.get("qk_rope_head_dim"):  # DeepSeek MLA: the rotary part is its own slice of each head
+        return _int_key(cfg, "qk_rope_head_dim")
+    if layer_type is not None:
+        override = _layer_override(cfg, layer_type, "head_dim")
+        if override is not None:
+            return override
+        if layer_type == "full_attention" and cfg.get("global_head_dim"):  # Gemma 4
+            return _int_key(cfg, "global_head_dim")
+    if cfg.get("head_dim"):
+        return _int_key(cfg, "head_dim")
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if hidden is None or heads is None:
+        raise ValueError(
+            f"config needs head_dim or hidden_size and num_attention_heads, got head_dim={cfg.get('head_dim')!r}, "
+            f"hidden_size={hidden!r}, num_attention_heads={heads!r}"
+        )
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0 or hidden % heads:
+        raise ValueError(
+            f"hidden_size must be a multiple of num_attention_heads, got hidden_size={hidden!r}, "
+            f"num_attention_heads={heads!r}"
+        )
+    return hidden // heads
+
+
+def _layer_override(cfg: Mapping[str, Any], layer_type: str, key: str) -> Any:
+    """A v5 ``per_layer_config`` override (keyed by layer index) for the first layer of ``layer_type``."""
+    per_layer, layer_types = cfg.get("per_layer_config"), cfg.get("layer_types")
+    if not isinstance(per_layer, Mapping) or not layer_types:
+        return None
+    for index, overrides in per_layer.items():
+        if int(index) < len(layer_types) and layer_types[int(index)] == layer_type and key in overrides:
+            return overrides[key]
+    return None
+
+
+def _int_key(cfg: Mapping[str, Any], key: str) -> int:
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{key} must be a positive int, got {value!r}")
+    return value
+
+
+def _rotary_dim(cfg: Mapping[str, Any], params: Mapping[str, Any], head_dim: int) -> int:
+    explicit = cfg.get("rotary_dim")  # GPT-J, CodeGen
+    if explicit is not None:
+        return check_even_positive(explicit, "rotary_dim")
+    for key in ("partial_rotary_factor", "rotary_pct"):
+        share = params.get(key, cfg.get(key))
+        if share is not None:
+            break
+    else:
+        key, share = "rotary_pct", _DEFAULT_ROTARY_PCT.get(cfg.get("model_type"), 1.0)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ValueError(f"{key} must be a number in (0, 1], got {share!r}")
+    rotary_dim = int(head_dim * share)  # Hugging Face's truncation
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(
+            f"{key}={share!r} with head_dim={head_dim} gives rotary_dim={rotary_dim}; it must be even and positive"
+        )
+    return rotary_dim
+
+
+def _layout(cfg: Mapping[str, Any], layout: str | None) -> str:
+    if layout is not None:
+        return check_layout(layout)
+    interleave = cfg.get("rope_interleave")
+    if interleave is not None:
+        return "interleaved" if interleave else "half"
+    return "interleaved" if cfg.get("model_type") in INTERLEAVED_MODEL_TYPES else "half"

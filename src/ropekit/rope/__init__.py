@@ -1,0 +1,9 @@
+"""The maths of RoPE, the bottom layer: nothing here knows about kernels, modules or files.
+
+- :mod:`.frequencies`: ``theta_i = base^(-2i/d)``, scaled frequencies, float64 angles and the
+  float32 cos/sin tables every kernel consumes;
+- :mod:`.scaling`: the context-extension rules (frozen dataclasses; public as ``ropekit.scaling``);
+- :mod:`.layouts`: the two pairings (half, interleaved) and the q/k weight permutation between them;
+- :mod:`.analysis`: wavelengths, the long-term decay bound (RoFormer eq. 37), the base a context
+  needs, and a config's description for ``ropekit inspect``.
+"""

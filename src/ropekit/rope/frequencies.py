@@ -1,0 +1,133 @@
+"""Rotary frequencies and cos/sin tables: the bottom layer of ropekit.
+
+RoPE rotates pair ``i`` of a query/key at position ``m`` by the angle ``m * theta_i`` with
+
+    theta_i = base ** (-2 i / d),   i = 0 .. d/2 - 1          (RoFormer eq. 15)
+
+where ``d`` is the rotary dimension. Everything here works in float64: angles
+``m * theta_i`` for positions up to 1e7 and beyond keep ~1e-9 absolute accuracy,
+where a float32 product (the recipe of most ports) is off by ``m * 6e-8`` radians.
+Tables are handed out in float32, the precision every ropekit kernel computes in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..validation import check_even_positive, check_positions, check_positive_float
+
+_NO_FLOAT64 = ("mps",)  # device types without float64 tensors
+
+
+def base_inv_freq(rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """The unscaled RoPE frequencies ``theta_i = base ** (-2i / rotary_dim)``.
+
+    Args:
+        rotary_dim: number of rotated channels ``d`` (positive, even).
+        base: the base ``b`` of the geometric progression (RoFormer: 10000).
+
+    Returns:
+        float64 tensor of shape ``(rotary_dim // 2,)`` on the CPU, decreasing from 1.
+    """
+    check_even_positive(rotary_dim, "rotary_dim")
+    base = check_positive_float(base, "base")
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+    return torch.pow(torch.tensor(base, dtype=torch.float64), -exponent)
+
+
+def inv_frequencies(
+    rotary_dim: int,
+    base: float = 10000.0,
+    scaling: Any = None,
+    *,
+    seq_len: int | None = None,
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scale for a rotary dimension and scaling rule.
+
+    Args:
+        rotary_dim: number of rotated channels (positive, even).
+        base: RoPE base ``b`` (``rope_theta`` in Hugging Face configs).
+        scaling: ``None`` for plain RoPE, or a rule from :mod:`ropekit.scaling`
+            (any object with ``compute(rotary_dim, base, seq_len) -> (inv_freq, scale)``).
+            ``ropekit.inv_frequencies`` (:func:`ropekit.config.inv_frequencies`) also takes a
+            ``config.json`` rope dict; this layer takes rule objects only.
+        seq_len: current sequence length; only rules that depend on it (dynamic
+            NTK, LongRoPE) read it.
+
+    Returns:
+        ``(inv_freq, attention_scale)``: float64 tensor of shape ``(rotary_dim // 2,)``
+        and a Python float that multiplies the cos/sin tables (1.0 for plain RoPE).
+
+    Example:
+        >>> inv_freq, scale = inv_frequencies(4, 10000.0)
+        >>> inv_freq.tolist(), scale
+        ([1.0, 0.01], 1.0)
+    """
+    check_even_positive(rotary_dim, "rotary_dim")
+    base = check_positive_float(base, "base")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
+        raise ValueError(f"seq_len must be a non-negative int or None, got {seq_len!r}")
+    if scaling is None:
+        return base_inv_freq(rotary_dim, base), 1.0
+    compute = getattr(scaling, "compute", None)
+    if compute is None:
+        raise TypeError(
+            "scaling must be None or a ropekit.scaling rule (ropekit.inv_frequencies also takes a rope dict), "
+            f"got {type(scaling).__name__}"
+        )
+    inv_freq, scale = compute(rotary_dim, base, seq_len)
+    return inv_freq.to(torch.float64), float(scale)
+
+
+def rotation_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Angles ``positions[..., None] * inv_freq`` in float64.
+
+    Args:
+        positions: integer tensor of any shape ``P`` (token indices, >= 0).
+        inv_freq: float tensor of shape ``(rotary_dim // 2,)``.
+
+    Returns:
+        float64 tensor of shape ``P + (rotary_dim // 2,)`` on ``positions.device``, or on
+        the CPU for devices without float64 (MPS), where a float64 tensor cannot live.
+    """
+    check_positions(positions)
+    if not isinstance(inv_freq, torch.Tensor):
+        raise TypeError(f"inv_freq must be a torch.Tensor of shape (rotary_dim // 2,), got {type(inv_freq).__name__}")
+    if inv_freq.dim() != 1:
+        raise ValueError(f"inv_freq must be 1-D (rotary_dim // 2,), got shape {tuple(inv_freq.shape)}")
+    device = positions.device
+    work = device if device.type not in _NO_FLOAT64 else torch.device("cpu")
+    return positions.to(work, torch.float64).unsqueeze(-1) * inv_freq.to(work, torch.float64)
+
+
+def cos_sin(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    attention_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for the given positions, from float64 angles.
+
+    ``cos[..., i] = attention_scale * cos(positions[...] * inv_freq[i])`` and likewise sin.
+    These are the *half-width* tables every ropekit apply takes: one entry per
+    rotary pair, not duplicated to ``rotary_dim``.
+
+    Args:
+        positions: integer tensor of shape ``P`` (e.g. ``(seq,)`` or ``(batch, seq)``).
+        inv_freq: tensor of shape ``(rotary_dim // 2,)`` (float64 from :func:`inv_frequencies`).
+        attention_scale: factor folded into both tables (YaRN / LongRoPE mscale).
+
+    Returns:
+        ``(cos, sin)``, float32 tensors of shape ``P + (rotary_dim // 2,)``.
+    """
+    angles = rotation_angles(positions, inv_freq)
+    scale = float(attention_scale)
+    cos = torch.cos(angles)
+    sin = torch.sin(angles)
+    if scale != 1.0:
+        cos = cos * scale
+        sin = sin * scale
+    # round to float32 before moving: the angles may sit on the CPU (see rotation_angles)
+    return cos.to(torch.float32).to(positions.device), sin.to(torch.float32).to(positions.device)

@@ -1,1 +1,0 @@
-"""Analysis and measurement tools built on the ropekit core (precision, ...)."""

@@ -1,0 +1,171 @@
+"""Argument validation: the one module of checks every layer uses.
+
+Every error names the argument, what was expected and what was given, so that a
+caller can fix the call without reading ropekit's source. Three groups:
+
+- tensors and options of the public functions (``check_layout``, ``check_positions``, ...);
+- module constructor arguments (``positive_int``, ``resolve_head_dim``);
+- the scaling rules' parameters (``check_number``, ``check_length``, ...), whose messages name
+  the rule and the parameter by its Hugging Face key, so that a bad ``config.json`` can be fixed
+  without reading ropekit's source.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+LAYOUTS = ("half", "interleaved")
+
+
+def check_layout(layout: str, name: str = "layout") -> str:
+    """Return ``layout`` if it is ``"half"`` or ``"interleaved"``, else raise ``ValueError``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"{name} must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def check_even_positive(value: int, name: str) -> int:
+    """Return ``value`` if it is a positive even int, else raise ``TypeError``/``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value <= 0 or value % 2:
+        raise ValueError(f"{name} must be a positive even number, got {value}")
+    return value
+
+
+def check_positive_float(value: float, name: str) -> float:
+    """Return ``float(value)`` if it is a finite number > 0, else raise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return value
+
+
+def check_positions(positions: torch.Tensor, name: str = "positions") -> torch.Tensor:
+    """Return ``positions`` if it is an integer tensor with no negative entry."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"{name} must be an integer torch.Tensor, got {type(positions).__name__}")
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise TypeError(
+            f"{name} must have an integer dtype (token indices), got {positions.dtype}; "
+            "fractional positions are a scaling rule's job, not the positions'"
+        )
+    if positions.numel() and not torch.compiler.is_compiling() and int(positions.min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got a minimum of {int(positions.min())}")
+    return positions
+
+
+def check_float_tensor(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Return ``x`` if it is a real floating-point tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    return x
+
+
+# -- module arguments ----------------------------------------------------------------------------------
+
+
+def positive_int(value: Any, name: str) -> int:
+    """Return ``value`` if it is a positive int, else raise ``TypeError``/``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def resolve_head_dim(embed_dim: int, num_heads: int, head_dim: int | None) -> int:
+    """``head_dim``, or ``embed_dim // num_heads`` when not given; always a positive even int."""
+    if head_dim is None:
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}) when head_dim is not given"
+            )
+        head_dim = embed_dim // num_heads
+        if head_dim % 2:
+            raise ValueError(
+                f"head_dim = embed_dim // num_heads = {embed_dim} // {num_heads} = {head_dim} must be even "
+                "(RoPE rotates channel pairs); pass an even head_dim explicitly"
+            )
+        return head_dim
+    head_dim = positive_int(head_dim, "head_dim")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even (RoPE rotates channel pairs), got {head_dim}")
+    return head_dim
+
+
+def check_hidden_states(x: Any, embed_dim: int) -> tuple[int, int]:
+    """Check that ``x`` is a float ``(batch, seq, embed_dim)`` tensor; return ``(batch, seq)``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x must have a floating dtype, got {x.dtype}")
+    if x.dim() != 3 or x.shape[-1] != embed_dim:
+        raise ValueError(f"x must have shape (batch, seq, embed_dim={embed_dim}), got {tuple(x.shape)}")
+    return x.shape[0], x.shape[1]
+
+
+
+# -- scaling-rule parameters (messages name the rule and the Hugging Face key) ------------------------
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_number(rule: str, key: str, value: Any, *, low: float | None = None, strict: bool = False) -> float:
+    """Return ``float(value)`` if it is a finite number (``> low`` if strict, else ``>= low``)."""
+    if not _is_number(value):
+        raise ValueError(f"{rule}: {key} must be a finite number, got {value!r}")
+    value = float(value)
+    if low is not None and (value <= low if strict else value < low):
+        raise ValueError(f"{rule}: {key} must be {'>' if strict else '>='} {low:g}, got {value!r}")
+    return value
+
+
+def check_optional_number(rule: str, key: str, value: Any, **bounds: Any) -> float | None:
+    """Like :func:`check_number`, letting ``None`` through."""
+    return None if value is None else check_number(rule, key, value, **bounds)
+
+
+def check_factor(rule: str, value: Any, key: str = "factor") -> float:
+    """A context-extension factor: a finite number ``>= 1`` (``1`` means no extension)."""
+    return check_number(rule, key, value, low=1.0)
+
+
+def check_length(rule: str, key: str, value: Any) -> int:
+    """A sequence length: a positive int (an integral float from JSON is accepted)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{rule}: {key} must be a positive int, got {value!r}")
+    return value
+
+
+def check_optional_length(rule: str, key: str, value: Any) -> int | None:
+    """Like :func:`check_length`, letting ``None`` through."""
+    return None if value is None else check_length(rule, key, value)
+
+
+def check_factor_list(rule: str, key: str, value: Any) -> tuple[float, ...]:
+    """A non-empty list of finite numbers ``> 0`` (LongRoPE's per-frequency rescale factors)."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{rule}: {key} must be a list of numbers, got {value!r}")
+    items = tuple(value)
+    if not items:
+        raise ValueError(f"{rule}: {key} must not be empty, got {value!r}")
+    for i, item in enumerate(items):
+        if not _is_number(item) or item <= 0:
+            raise ValueError(f"{rule}: {key}[{i}] must be a finite number > 0, got {item!r}")
+    return tuple(float(item) for item in items)
+
+
+def check_base_above_one(rule: str, base: float) -> None:
+    """Rules that take ``log(base)`` need ``base > 1``."""
+    if not base > 1.0:
+        raise ValueError(f"{rule}: base (rope_theta) must be > 1, got {base!r}")
