@@ -1,8 +1,8 @@
 """ropekit: Rotary Position Embedding (RoPE) for PyTorch.
 
-Layers, bottom to top: frequencies (inv_freq, cos/sin tables, scaling rules) ·
-backends (reference float64 matrices, torch kernels) · functional (apply_rotary) ·
-nn (modules) · tools and cli.
+Layers, bottom to top (docs/architecture.md): rope (the maths: frequencies, scaling rules,
+layouts) · ops (torch operators and their kernels) · functional (apply_rotary and friends) ·
+config (RopeConfig, config.json) · checkpoints · nn (modules) · integrations · lab · cli.
 
 The public names below are imported on first use (PEP 562 module ``__getattr__``), so that
 ``import ropekit`` alone does not import torch: the ``ropekit`` command line parses its
