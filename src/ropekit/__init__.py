@@ -1,17 +1,17 @@
 """ropekit: Rotary Position Embedding (RoPE) for PyTorch.
 
 Layers, bottom to top: frequencies (inv_freq, cos/sin tables, scaling rules) ·
-backends (reference float64 matrices, torch kernels) · functional (apply_rotary) ·
-nn (modules) · tools and cli.
+ops (operators, the C++/Triton/eager kernels, the backend registry, the float64 reference) ·
+functional (apply_rotary, rotate by position) · nn (modules) · integrations · tools and cli.
 """
 
-from . import backends, scaling
-from .backends.reference import apply_reference, rotation_matrix
+from . import backends, ops, scaling
 from .config import RopeConfig
 from .frequencies import base_inv_freq, cos_sin, inv_frequencies, rotation_angles
-from .functional import apply_rotary, apply_rotary_qk, rotate_qk
+from .functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
 from .layouts import channel_permutation, convert_layout, permute_qk_weight
 from .nn.rotary import RotaryEmbedding
+from .ops.reference import apply_reference, rotation_matrix
 
 __version__ = "0.1.0"
 
@@ -27,7 +27,9 @@ __all__ = [
     "convert_layout",
     "cos_sin",
     "inv_frequencies",
+    "ops",
     "permute_qk_weight",
+    "rotate",
     "rotate_qk",
     "rotation_angles",
     "rotation_matrix",

@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..backends.reference import apply_reference, rotation_matrix
 from ..frequencies import cos_sin, inv_frequencies
 from ..functional import apply_rotary
 from ..layouts import permute_qk_weight
+from ..ops.reference import apply_reference, rotation_matrix
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..backends.reference import apply_reference
 from ..frequencies import base_inv_freq, inv_frequencies
+from ..ops.reference import apply_reference
 from ..scaling import NTK, DynamicNTK, Linear, Llama3, YaRN
 from .analysis import similarity_margin
 
