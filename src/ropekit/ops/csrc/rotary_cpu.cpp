@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <tuple>
@@ -44,9 +45,12 @@ using at::Tensor;
 using RowFn = int (*)(void *, void *, const void *, const void *, const int64_t *, int64_t, int64_t);
 
 constexpr size_t kMaxDims = ROPEKIT_MAX_DIMS;
-constexpr int64_t kPlanMinBytes = int64_t(1) << 20;       // from here on: memory-order visit
-constexpr int64_t kParallelMinBytes = int64_t(128) << 10;  // from here on: rows split over threads
-constexpr int64_t kStreams = 4;                            // runs of memory visited round-robin
+constexpr int64_t kStreams = 4;  // runs of memory visited round-robin
+// From this many bytes of a tensor on, its rows are visited in memory order (visiting_order);
+// from this many bytes of q and k together on, rows are split over threads. Tests lower them
+// (set_thresholds) to run those paths on small tensors.
+std::atomic<int64_t> plan_min_bytes{int64_t(1) << 20};
+std::atomic<int64_t> parallel_min_bytes{int64_t(128) << 10};
 
 RowFn row_function(at::ScalarType type) {
     switch (type) {
@@ -74,7 +78,7 @@ struct Job {
     std::vector<int64_t> params;
     int64_t rows = 0;
     int64_t bytes = 0;
-    Tensor cos_keep, sin_keep;  // converted tables live as long as the job
+    Tensor x_keep, cos_keep, sin_keep;  // copies made for the kernel live as long as the job
 };
 
 // The order in which the rows are visited (results do not depend on it).
@@ -148,7 +152,7 @@ void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Te
         dims.push_back(dim);
     }
     const int64_t bytes = x.numel() * static_cast<int64_t>(x.element_size());
-    std::vector<Dim> order = visiting_order(dims, bytes >= kPlanMinBytes);
+    std::vector<Dim> order = visiting_order(dims, bytes >= plan_min_bytes.load());
     if (order.size() > kMaxDims) order = visiting_order(dims, false);
     if (order.size() > kMaxDims) {
         for (int64_t i = 0; i < x.size(0); i++) {
@@ -165,6 +169,7 @@ void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Te
     job.out = out.data_ptr();
     job.cos = cos.data_ptr();
     job.sin = sin.data_ptr();
+    job.x_keep = x;
     job.cos_keep = cos;
     job.sin_keep = sin;
     job.rows = x.numel() / x.size(-1);
@@ -197,7 +202,7 @@ void run_jobs(const std::vector<Job> &jobs) {
         }
     };
     if (total == 0) return;
-    if (bytes < kParallelMinBytes || total < 2) {
+    if (bytes < parallel_min_bytes.load() || total < 2) {
         body(0, total);
     } else {
         at::parallel_for(0, total, 1, body);
@@ -252,6 +257,28 @@ void rotate_(const Tensor &x, const Tensor &cos, const Tensor &sin, bool interle
     rotate_pair_(x, Tensor(), cos, sin, interleaved, conjugate);
 }
 
+// Test hooks: the thresholds (returns the previous ones; -1 keeps a value) and the visiting order
+// of rows given sizes and the strides of x, out, cos and sin: [n, sizes..., x strides..., ...].
+std::vector<int64_t> set_thresholds(int64_t plan_bytes, int64_t parallel_bytes) {
+    std::vector<int64_t> previous{plan_min_bytes.load(), parallel_min_bytes.load()};
+    if (plan_bytes >= 0) plan_min_bytes = plan_bytes;
+    if (parallel_bytes >= 0) parallel_min_bytes = parallel_bytes;
+    return previous;
+}
+
+std::vector<int64_t> plan_rows(at::IntArrayRef sizes, at::IntArrayRef x_strides, at::IntArrayRef out_strides,
+                               at::IntArrayRef cos_strides, at::IntArrayRef sin_strides) {
+    std::vector<Dim> dims;
+    for (size_t d = 0; d < sizes.size(); d++)
+        dims.push_back(Dim{sizes[d], {x_strides[d], out_strides[d], cos_strides[d], sin_strides[d]}});
+    const std::vector<Dim> order = visiting_order(dims, true);
+    std::vector<int64_t> result{static_cast<int64_t>(order.size())};
+    for (const Dim &d : order) result.push_back(d.size);
+    for (int k = 0; k < 4; k++)
+        for (const Dim &d : order) result.push_back(d.stride[k]);
+    return result;
+}
+
 }  // namespace
 
 ROPEKIT_LIBRARY(ROPEKIT_CPU_NAMESPACE, m) {
@@ -260,6 +287,9 @@ ROPEKIT_LIBRARY(ROPEKIT_CPU_NAMESPACE, m) {
     m.def("rotate_pair(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, bool conjugate)"
           " -> (Tensor, Tensor)");
     m.def("rotate_pair_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> ()");
+    m.def("set_thresholds(int plan_bytes, int parallel_bytes) -> int[]", &set_thresholds);
+    m.def("plan_rows(int[] sizes, int[] x_strides, int[] out_strides, int[] cos_strides, int[] sin_strides) -> int[]",
+          &plan_rows);
 }
 
 ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, CPU, m) {
