@@ -9,8 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ropekit import apply_reference, apply_rotary, apply_rotary_qk, backends, base_inv_freq, cos_sin
-from ropekit import ops
+from ropekit import apply_reference, apply_rotary, apply_rotary_qk, backends, base_inv_freq, cos_sin, ops
 
 LAYOUTS = ["half", "interleaved"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
