@@ -262,7 +262,7 @@ class RotaryEmbedding(nn.Module):
         Returns:
             ``(q_rotated, k_rotated)`` with the input shapes and dtypes.
 
-        q and k of 2 to 4 dims with one rank and batch go to :func:`ropekit.rotate_qk` (one
+        q and k of 2 to 4 dims with one rank, batch and dtype go to :func:`ropekit.rotate_qk` (one
         kernel call; the rows are looked up by position, inside the kernel on CUDA); other
         shapes to :func:`ropekit.apply_rotary_qk` with the rows gathered here.
         """
@@ -275,7 +275,7 @@ class RotaryEmbedding(nn.Module):
             )
         if k.shape[-1] != self.head_dim:
             raise ValueError(f"k has head_dim {k.shape[-1]}, this RotaryEmbedding was built for {self.head_dim}")
-        if k.dim() != q.dim() or k.shape[0] != q.shape[0]:  # tables for q do not fit k: one call each
+        if k.dim() != q.dim() or k.shape[0] != q.shape[0] or k.dtype != q.dtype:  # not one call: one each
             return (self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace),
                     self.rotate(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace))
         if 2 <= q.dim() <= 4:
