@@ -26,11 +26,11 @@ from pathlib import Path
 FLOOR_SCRIPT = Path(__file__).resolve().parent / "cpu_floor.py"
 
 
-def run_tree(src: Path, repeats: int, threads: list[int]) -> list[dict]:
+def run_tree(src: Path, repeats: int, threads: list[int], shapes: list[str]) -> list[dict]:
     """One cpu_floor.py run with ``src`` as ropekit: its JSON rows."""
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     command = [sys.executable, str(FLOOR_SCRIPT), "--json", "--repeats", str(repeats), "--threads",
-               *map(str, threads)]
+               *map(str, threads), "--shapes", *shapes]
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--shapes", nargs="+", default=["prefill", "decode"])
     parser.add_argument("--json", type=Path, help="write every measurement here")
     args = parser.parse_args()
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
@@ -55,7 +56,7 @@ def main() -> None:
     for round_index in range(args.rounds):
         order = ["old", "new"] if round_index % 2 == 0 else ["new", "old"]
         for name in order:
-            for row in run_tree(trees[name], args.repeats, args.threads):
+            for row in run_tree(trees[name], args.repeats, args.threads, args.shapes):
                 key = (row["shape"], row["dtype"], row["threads"])
                 rows.setdefault(key, {"old": [], "new": []})[name].append(row)
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)

@@ -276,3 +276,16 @@ def test_overlap_check_is_exact(dims):
     offsets = [sum(i * s for i, s in zip(index, strides, strict=True)) for index in itertools.product(
         *(range(n) for n in sizes))]
     assert _overlaps(view) == (len(set(offsets)) < len(offsets))
+
+
+def test_registering_again_replaces_prepared_calls(recording):
+    """A decode loop's prepared call follows the name: a backend registered under it takes the next call."""
+    x = torch.randn(2, 3, 8)
+    cos, sin = ropekit.cos_sin(torch.arange(3), ropekit.inv_frequencies(8)[0])
+    for _ in range(2):  # the second call is a prepared one
+        ropekit.apply_rotary(x, cos, sin, backend="recording")
+    assert recording.calls == ["rotate", "rotate"]
+    replacement = RecordingBackend()
+    ops.register("recording", replacement)
+    ropekit.apply_rotary(x, cos, sin, backend="recording")
+    assert recording.calls == ["rotate", "rotate"] and replacement.calls == ["rotate"]

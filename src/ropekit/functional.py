@@ -19,7 +19,7 @@ from torch import Tensor
 from ._checks import check_float_tensor, check_layout
 from .ops import operators
 from .ops.dispatch import get as get_backend
-from .ops.dispatch import resolve
+from .ops.dispatch import on_register, resolve
 from .ops.eager import rotate_differentiable
 from .ops.positions import check_shapes
 
@@ -28,6 +28,7 @@ from .ops.positions import check_shapes
 # left per step is the kernel. Only used with nothing to record or trace (see ops.operators).
 _PREPARED_MAX = 256
 _prepared: dict[tuple, object] = {}
+on_register(lambda: _prepared.clear())  # a name may now mean another backend
 
 
 def _remember(tensors: tuple, options: tuple, call) -> None:
@@ -40,8 +41,16 @@ def _remember(tensors: tuple, options: tuple, call) -> None:
     _prepared[(*key, *options)] = call
 
 
+_EXACT_OVERLAP_MAX = 1 << 22  # elements up to which an unusual layout is checked element by element
+
+
 def _overlaps(x: Tensor) -> bool:
-    """Whether two indices of ``x`` address one element (torch's own test, then an exact one where it gives up)."""
+    """Whether two indices of ``x`` address one element (torch's own test, then an exact one where it gives up).
+
+    Strides that each pass the reach of the smaller ones (every dense, transposed or sliced view)
+    cannot overlap; other layouts are checked element by element, or, past
+    ``_EXACT_OVERLAP_MAX`` elements, taken as overlapping.
+    """
     status = torch._debug_has_internal_overlap(x)  # 0: no, 1: yes, 2: too hard for torch
     if status != 2:
         return status == 1
@@ -52,6 +61,8 @@ def _overlaps(x: Tensor) -> bool:
         reach += (size - 1) * stride
     else:
         return False
+    if x.numel() > _EXACT_OVERLAP_MAX:
+        return True
     offsets = torch.zeros((), dtype=torch.long)
     for stride, size in zip(x.stride(), x.shape, strict=True):
         offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
@@ -168,11 +179,7 @@ def apply_rotary_qk(
         return (operators.rotate(q, cos, sin, layout=layout, backend=name, inplace=inplace),
                 operators.rotate(k, cos, sin, layout=layout, backend=name, inplace=inplace))
     if operators.direct(q, k, cos, sin):
-        kernel = get_backend(name).rotate_pair
-
-        def run(q, k, cos, sin):
-            return kernel(q, k, cos, sin, layout=layout, conjugate=False, inplace=inplace)
-
+        run = get_backend(name).prepared((q, k, cos, sin), layout=layout, inplace=inplace)
         _remember((q, k, cos, sin), ("qk", layout, inplace, backend), run)
     return operators.rotate_pair(q, k, cos, sin, layout=layout, backend=name, inplace=inplace)
 
@@ -234,12 +241,8 @@ def apply_rotary(
         return x.copy_(rotate_differentiable(x.clone(), cos, sin, layout=layout))
     name = resolve(backend, x.device.type)
     if operators.direct(x, cos, sin):
-        kernel = get_backend(name).rotate
-
-        def run(x, cos, sin):
-            return kernel(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)
-
-        _remember((x, cos, sin), ("x", layout, inplace, backend), run)
+        _remember((x, cos, sin), ("x", layout, inplace, backend),
+                  get_backend(name).prepared((x, cos, sin), layout=layout, inplace=inplace))
     return operators.rotate(x, cos, sin, layout=layout, backend=name, inplace=inplace)
 
 

@@ -67,6 +67,21 @@ class Backend:
         return self.rotate_pair(q, k, _gather(cos_table, rows), _gather(sin_table, rows), layout=layout,
                                 conjugate=conjugate, inplace=inplace)
 
+    def prepared(self, tensors: tuple[Tensor, ...], *, layout: str, inplace: bool):
+        """A call ``run(*tensors)`` for tensors of exactly these shapes, strides, dtypes and devices.
+
+        ``tensors`` is ``(x, cos, sin)`` (:meth:`rotate`) or ``(q, k, cos, sin)`` (:meth:`rotate_pair`).
+        ``ropekit.functional`` keeps it for a signature that passed every check (a decode loop
+        repeats one); a backend may return a leaner call than the default one here.
+        """
+        if len(tensors) == 3:
+            def run(x, cos, sin):
+                return self.rotate(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)
+        else:
+            def run(q, k, cos, sin):
+                return self.rotate_pair(q, k, cos, sin, layout=layout, conjugate=False, inplace=inplace)
+        return run
+
     def __repr__(self) -> str:
         return f"<ropekit backend {self.name!r}>"
 

@@ -94,3 +94,30 @@ class CppBackend(Backend):
             self._pair_(q, k, cos, sin, layout == "interleaved", conjugate)
             return q, k
         return self._pair(q, k, cos, sin, layout == "interleaved", conjugate)
+
+    def prepared(self, tensors, *, layout, inplace):
+        """The operator itself, bound to the options, for tensors like ``tensors`` (see :class:`Backend`)."""
+        if not (self.is_available() and all(self.takes(t) for t in tensors)):
+            return super().prepared(tensors, layout=layout, inplace=inplace)
+        interleaved = layout == "interleaved"
+        if len(tensors) == 3:
+            if inplace:
+                rotate_ = self._rotate_
+
+                def run(x, cos, sin):
+                    rotate_(x, cos, sin, interleaved, False)
+                    return x
+
+                return run
+            rotate = self._rotate
+            return lambda x, cos, sin: rotate(x, cos, sin, interleaved, False)
+        if inplace:
+            pair_ = self._pair_
+
+            def run_pair(q, k, cos, sin):
+                pair_(q, k, cos, sin, interleaved, False)
+                return q, k
+
+            return run_pair
+        pair = self._pair
+        return lambda q, k, cos, sin: pair(q, k, cos, sin, interleaved, False)

@@ -18,6 +18,12 @@ from .eager import EagerBackend
 
 _BACKENDS: dict[str, Backend] = {"torch": EagerBackend()}
 _BUILTIN_LAZY = ("cpu", "triton")
+_ON_REGISTER: list = []  # callbacks run after register() (callers forget what a name meant)
+
+
+def on_register(callback) -> None:
+    """Call ``callback()`` after every :func:`register` (``ropekit.functional`` drops its prepared calls)."""
+    _ON_REGISTER.append(callback)
 
 
 def _builtin(name: str) -> Backend | None:
@@ -46,9 +52,8 @@ def register(name: str, backend: Backend) -> None:
     if not isinstance(backend, Backend):
         raise TypeError(f"backend must be a ropekit.ops.Backend, got {type(backend).__name__}")
     _BACKENDS[name] = backend
-    from .. import functional
-
-    functional._prepared.clear()  # calls prepared for the backend this name meant before
+    for callback in _ON_REGISTER:
+        callback()
 
 
 def available() -> list[str]:

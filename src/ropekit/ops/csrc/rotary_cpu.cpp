@@ -298,3 +298,13 @@ ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, CPU, m) {
     m.impl("rotate_pair", &rotate_pair);
     m.impl("rotate_pair_", &rotate_pair_);
 }
+
+// The same kernels at the autograd key: these operators are not differentiable themselves (the
+// ropekit::rotate* operators above them carry the autograd), so a call goes straight to the
+// kernel instead of through torch's not-implemented fallback; in-place versions are bumped here.
+ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, AutogradCPU, m) {
+    m.impl("rotate", &rotate);
+    m.impl("rotate_", &rotate_);
+    m.impl("rotate_pair", &rotate_pair);
+    m.impl("rotate_pair_", &rotate_pair_);
+}
