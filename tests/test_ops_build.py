@@ -96,7 +96,7 @@ def test_writable_by_others_is_refused(cache, tmp_path, what):
     assert not marker.exists()
 
 
-def test_hanging_compiler_is_cut_off(cache, tmp_path, monkeypatch):
+def test_hanging_compiler_is_cut_off(cache, tmp_path, monkeypatch, capsys):
     fake = tmp_path / "bin" / "c++"
     fake.parent.mkdir()
     fake.write_text("#!/bin/sh\nsleep 600\n")
@@ -105,6 +105,7 @@ def test_hanging_compiler_is_cut_off(cache, tmp_path, monkeypatch):
     monkeypatch.setenv("ROPEKIT_BUILD_TIMEOUT", "3")
     start = time.monotonic()
     refused("ropekit_cpu_hanging", "longer than 3 s")
+    assert "ropekit: building the C++ CPU kernel" in capsys.readouterr().err  # the first call says why it waits
     assert time.monotonic() - start < 30  # child start-up plus the 3 s bound, not the compiler's 600 s
     assert [p for p in cache.iterdir() if p.name.startswith(".ropekit-build-")] == []
     leftover = subprocess.run(["pgrep", "-f", str(fake)], capture_output=True, text=True, check=False)

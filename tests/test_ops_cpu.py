@@ -550,6 +550,7 @@ def test_cache_key_covers_the_included_header(monkeypatch, tmp_path):
     second = build.builds(cxx)
     assert all(a.library != b.library for a, b in zip(first, second, strict=True))
     assert {"-march=native" in b.flags for b in first} == {True, False}  # -march=native is part of the key
+    assert len({b.name for b in first}) == len(first)
 
 
 # -- the process around the kernel: fork, other OpenMP runtimes, no compiler ------------------------------

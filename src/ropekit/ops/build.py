@@ -10,10 +10,12 @@ it from the cache in milliseconds.
 
 - **Build**: ``torch.utils.cpp_extension`` (ninja and a C++ compiler: ``$CXX``, else ``c++``)
   with ``-O3 -march=native -ffp-contract=off -fno-tree-slp-vectorize`` (no FMA contraction:
-  the arithmetic stays bit-identical to the eager backend), or the same without
-  ``-march=native`` where the compiler refuses it. It runs in a child process that is killed,
-  with its compiler, after ``ROPEKIT_BUILD_TIMEOUT`` seconds (default 300), in a private
-  temporary directory; the finished library is moved into place atomically.
+  the arithmetic stays bit-identical to the eager backend) and ``-fopenmp`` when torch runs on
+  OpenMP (``at::parallel_for`` then uses torch's OpenMP threads), or the same without
+  ``-march=native``, then without OpenMP (one thread), where the compiler refuses them. It
+  runs in a child process that is killed, with its compiler, after ``ROPEKIT_BUILD_TIMEOUT``
+  seconds (default 300), in a private temporary directory; the finished library is moved into
+  place atomically.
 - **Cache**: ``$ROPEKIT_CACHE_DIR``, else torch's extension cache (``$TORCH_EXTENSIONS_DIR``,
   else ``~/.cache/torch_extensions``), one directory per build key: a hash of the sources, the
   flags, the compiler (path, size, date), the CPU (what ``-march=native`` depends on), torch and
@@ -50,6 +52,9 @@ HEADERS = (CSRC / "rotary_rows.h", CSRC / "rotary_avx2.h")  # included by the so
 # vfmaddsub (a fused multiply-add) despite -ffp-contract=off; the loop vectoriser does not.
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fno-tree-slp-vectorize")
 FLAG_SETS = (("-march=native", *COMMON_FLAGS), COMMON_FLAGS)
+# at::parallel_for is a header template: with torch's OpenMP backend it needs -fopenmp to run on
+# torch's OpenMP threads (the library then uses the runtime torch loaded, by its soname).
+OPENMP_FLAGS = ("-fopenmp",)
 DEFAULT_NAMESPACE = "ropekit_cpu"
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -66,6 +71,7 @@ class Build:
     flags: tuple[str, ...]
     namespace: str
     directory: Path
+    link_flags: tuple[str, ...] = ()
 
     @property
     def library(self) -> Path:
@@ -109,19 +115,29 @@ def _cpu_signature() -> str:
     return text
 
 
+def _parallel_flags() -> tuple[str, ...]:
+    """``-fopenmp`` when torch's own parallel backend is OpenMP (else at::parallel_for needs nothing)."""
+    return OPENMP_FLAGS if "parallel backend: OpenMP" in torch.__config__.parallel_info() else ()
+
+
 def builds(cxx: Path, extra_flags: tuple[str, ...] = (), namespace: str = DEFAULT_NAMESPACE) -> list[Build]:
-    """The builds to try, best first: with ``-march=native``, then without."""
+    """The builds to try, best first: with ``-march=native``, then without; with OpenMP, then one thread."""
     info = cxx.stat()
     common = [path.read_bytes() for path in (*SOURCES, *HEADERS)] + [
         f"{cxx}:{info.st_size}:{info.st_mtime_ns}".encode(), _cpu_signature().encode(), namespace.encode(),
         torch.__version__.encode(), sys.version.encode(),
     ]
+    parallel = _parallel_flags()
+    flag_lists = [(*flag_set, *threads, *extra_flags) for threads in ((parallel, ()) if parallel else ((),))
+                  for flag_set in FLAG_SETS]
+    # the whole list in every key: a fallback cached while another list was tried first is not reused
+    common.append(repr(flag_lists).encode())
     result = []
-    for flag_set in FLAG_SETS:
-        flags = (*flag_set, *extra_flags)
+    for flags in flag_lists:
         key = hashlib.sha256(b"\0".join([*common, " ".join(flags).encode()])).hexdigest()[:16]
         name = f"ropekit_cpu_{key}"
-        result.append(Build(name, flags, namespace, cache_root() / name))
+        link_flags = tuple(f for f in flags if f in OPENMP_FLAGS)
+        result.append(Build(name, flags, namespace, cache_root() / name, link_flags))
     return result
 
 
@@ -167,8 +183,9 @@ def build_in_child(candidates: list[Build], timeout_s: float) -> Build:
     """Build the first candidate that compiles, in a child process killed after ``timeout_s`` seconds."""
     root = _private_dir(cache_root())
     scratch = Path(tempfile.mkdtemp(prefix=".ropekit-build-", dir=root))
+    specs = [f"{b.name}|{b.namespace}|{' '.join(b.flags)}|{' '.join(b.link_flags)}" for b in candidates]
     command = [sys.executable, "-m", "ropekit.ops.build", "--child", str(scratch),
-               *(f"--candidate={b.name}|{b.namespace}|{' '.join(b.flags)}" for b in candidates)]
+               *(f"--candidate={spec}" for spec in specs)]
     try:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    start_new_session=True)
@@ -233,13 +250,14 @@ def _child(scratch: Path, candidates: list[str]) -> int:
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # pip's ninja
     errors = []
     for spec in candidates:
-        name, namespace, flags = spec.split("|", 2)
+        name, namespace, flags, link_flags = spec.split("|", 3)
         work = scratch / name
         work.mkdir()
         try:
             cpp_extension.load(name, [str(s) for s in SOURCES],
                                extra_cflags=[*flags.split(), f"-DROPEKIT_CPU_NAMESPACE={namespace}"],
-                               extra_include_paths=[str(CSRC)], build_directory=str(work),
+                               extra_ldflags=link_flags.split(), extra_include_paths=[str(CSRC)],
+                               build_directory=str(work),
                                is_python_module=False, verbose=False)
         except Exception as exc:  # noqa: BLE001 - try the next flag set, report all
             errors.append(f"{flags}: {str(exc).strip()[-1500:]}")
