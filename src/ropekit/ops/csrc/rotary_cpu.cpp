@@ -20,6 +20,7 @@
 // so results never depend on either.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -75,7 +76,7 @@ struct Job {
     void *out = nullptr;
     const void *cos = nullptr;
     const void *sin = nullptr;
-    std::vector<int64_t> params;
+    c10::SmallVector<int64_t, 8 + 5 * ROPEKIT_MAX_DIMS> params;
     int64_t rows = 0;
     int64_t bytes = 0;
     Tensor x_keep, cos_keep, sin_keep;  // copies made for the kernel live as long as the job
@@ -88,15 +89,18 @@ struct Job {
 //    round-robin: one core keeps several hardware prefetch streams busy, and rows of different
 //    heads sharing a table row (tables broadcast over heads) read that row once for all.
 // Small tensors keep C order (the kernel merges contiguous axes itself).
-std::vector<Dim> visiting_order(const std::vector<Dim> &all, bool reorder) {
-    std::vector<Dim> dims;
+using Dims = c10::SmallVector<Dim, ROPEKIT_MAX_DIMS + 1>;
+using Jobs = c10::SmallVector<Job, 2>;
+
+Dims visiting_order(const Dims &all, bool reorder) {
+    Dims dims;
     for (const Dim &d : all)
         if (d.size != 1) dims.push_back(d);
     if (!reorder) return dims;
     std::stable_sort(dims.begin(), dims.end(), [](const Dim &a, const Dim &b) {
         return std::llabs(a.stride[0]) > std::llabs(b.stride[0]);
     });
-    std::vector<Dim> merged;
+    Dims merged;
     for (const Dim &d : dims) {
         bool merge = !merged.empty();
         for (int k = 0; k < 4 && merge; k++) merge = merged.back().stride[k] == d.stride[k] * d.size;
@@ -129,7 +133,7 @@ Tensor work_table(const Tensor &table, at::ScalarType work) {
 // Append the jobs rotating x into out (out may be x). More than kMaxDims leading axes that do
 // not merge: one job per index of the first axis.
 void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Tensor &sin_in, int64_t flags,
-              std::vector<Job> &jobs) {
+              Jobs &jobs) {
     TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "ropekit_cpu: x must be a CPU tensor");
     TORCH_CHECK(cos_in.dim() >= 1 && cos_in.dim() <= x.dim() && sin_in.sizes() == cos_in.sizes(),
                 "ropekit_cpu: cos/sin of shape ", cos_in.sizes(), " and ", sin_in.sizes(), " do not fit x ", x.sizes());
@@ -139,7 +143,7 @@ void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Te
     const at::ScalarType work = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     const Tensor cos = work_table(cos_in, work), sin = work_table(sin_in, work);
     const int64_t lead = x.dim() - 1, shift = x.dim() - cos.dim();
-    std::vector<Dim> dims;
+    Dims dims;
     for (int64_t d = 0; d < lead; d++) {
         Dim dim{x.size(d), {x.stride(d), out.stride(d), 0, 0}};
         const int64_t t = d - shift;
@@ -152,7 +156,7 @@ void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Te
         dims.push_back(dim);
     }
     const int64_t bytes = x.numel() * static_cast<int64_t>(x.element_size());
-    std::vector<Dim> order = visiting_order(dims, bytes >= plan_min_bytes.load());
+    Dims order = visiting_order(dims, bytes >= plan_min_bytes.load());
     if (order.size() > kMaxDims) order = visiting_order(dims, false);
     if (order.size() > kMaxDims) {
         for (int64_t i = 0; i < x.size(0); i++) {
@@ -184,7 +188,7 @@ void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Te
 
 // Rows of every job taken together ([0, total) = rows of job 0, then job 1, ...), split over
 // torch's threads when there are enough bytes to share.
-void run_jobs(const std::vector<Job> &jobs) {
+void run_jobs(const Jobs &jobs) {
     int64_t total = 0, bytes = 0;
     for (const Job &j : jobs) {
         total += j.rows;
@@ -220,7 +224,7 @@ Tensor unit_channels(const Tensor &x) {
 
 Tensor rotate(const Tensor &x, const Tensor &cos, const Tensor &sin, bool interleaved, bool conjugate) {
     Tensor out = at::empty_like(x);
-    std::vector<Job> jobs;
+    Jobs jobs;
     add_jobs(unit_channels(x), out, cos, sin, flags_of(interleaved, conjugate, true), jobs);
     run_jobs(jobs);
     return out;
@@ -230,7 +234,7 @@ std::tuple<Tensor, Tensor> rotate_pair(const Tensor &q, const Tensor &k, const T
                                        bool interleaved, bool conjugate) {
     Tensor q_out = at::empty_like(q), k_out = at::empty_like(k);
     const int64_t flags = flags_of(interleaved, conjugate, true);
-    std::vector<Job> jobs;
+    Jobs jobs;
     add_jobs(unit_channels(q), q_out, cos, sin, flags, jobs);
     add_jobs(unit_channels(k), k_out, cos, sin, flags, jobs);
     run_jobs(jobs);
@@ -242,7 +246,7 @@ void rotate_pair_(const Tensor &q, const Tensor &k, const Tensor &cos, const Ten
                   bool conjugate) {
     const int64_t flags = flags_of(interleaved, conjugate, false);
     const Tensor q_work = unit_channels(q), k_work = k.defined() ? unit_channels(k) : k;
-    std::vector<Job> jobs;
+    Jobs jobs;
     add_jobs(q_work, q_work, cos, sin, flags, jobs);
     if (k.defined()) add_jobs(k_work, k_work, cos, sin, flags, jobs);
     run_jobs(jobs);
@@ -268,10 +272,10 @@ std::vector<int64_t> set_thresholds(int64_t plan_bytes, int64_t parallel_bytes) 
 
 std::vector<int64_t> plan_rows(at::IntArrayRef sizes, at::IntArrayRef x_strides, at::IntArrayRef out_strides,
                                at::IntArrayRef cos_strides, at::IntArrayRef sin_strides) {
-    std::vector<Dim> dims;
+    Dims dims;
     for (size_t d = 0; d < sizes.size(); d++)
         dims.push_back(Dim{sizes[d], {x_strides[d], out_strides[d], cos_strides[d], sin_strides[d]}});
-    const std::vector<Dim> order = visiting_order(dims, true);
+    const Dims order = visiting_order(dims, true);
     std::vector<int64_t> result{static_cast<int64_t>(order.size())};
     for (const Dim &d : order) result.push_back(d.size);
     for (int k = 0; k < 4; k++)
