@@ -286,14 +286,12 @@ def test_strided_overlapping_and_unsupported_inputs():
     strided = torch.randn(2, 4, 32, generator=gen)[..., ::2]  # channel stride 2: rotated through a copy
     expected = torch_eager.rotate(strided, cos, sin, layout="half")
     assert_same(native(strided, cos, sin, layout="half"), expected)
-    in_place = strided.clone()[..., :]
     base = torch.zeros(2, 4, 32)
     view = base[..., ::2]
     view.copy_(strided)
     assert native(view, cos, sin, layout="half", inplace=True) is view
     assert_same(view, expected)
     assert torch.equal(base[..., 1::2], torch.zeros(2, 4, 16))  # the elements between untouched
-    del in_place
     expanded = torch.randn(1, 4, 16, generator=gen).expand(3, 4, 16)  # rows alias each other: read-only is fine
     assert_same(native(expanded, cos, sin, layout="half"), torch_eager.rotate(expanded, cos, sin, layout="half"))
     assert_same(native(expanded.clone(), cos[0], sin[0], layout="half"),  # tables with fewer dims
@@ -655,3 +653,27 @@ def test_no_compiler_means_eager_and_one_warning(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "no C++ compiler" in done.stdout
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+DISABLED_SCRIPT = r"""
+import warnings
+import torch, ropekit
+from ropekit.ops import eager
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    x = torch.randn(2, 3, 8)
+    cos, sin = ropekit.cos_sin(torch.arange(3), ropekit.inv_frequencies(8)[0])
+    assert torch.equal(ropekit.apply_rotary(x, cos, sin), eager.rotate(x, cos[None], sin[None], layout="half"))
+    assert ropekit.ops.resolve("auto", "cpu") == "torch" and "cpu" not in ropekit.ops.available()
+ours = [str(w.message) for w in caught if "ropekit" in str(w.message)]
+assert len(ours) == 1 and "ROPEKIT_DISABLE_NATIVE" in ours[0], ours
+print("ok")
+"""
+
+
+def test_disabled_by_environment_in_a_fresh_process(tmp_path):
+    """ROPEKIT_DISABLE_NATIVE=1: "auto" runs the eager kernel, one warning says why, nothing is built."""
+    done = run_script(tmp_path, DISABLED_SCRIPT, {"ROPEKIT_DISABLE_NATIVE": "1",
+                                                  "ROPEKIT_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()
