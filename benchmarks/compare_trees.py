@@ -7,8 +7,8 @@ shape, dtype and thread count, the median over rounds of each tree's ratio to th
 (in place / ``x.mul_(1.0)``, out of place / ``x.clone()``) with the spread (min-max), and the
 decode step's time. Usage (e.g. the previous commit against the working tree)::
 
-    git worktree add /somewhere/old <commit>
-    python benchmarks/compare_trees.py --old /somewhere/old/src --new src [--rounds 5] [--repeats 30]
+    mkdir ../old && git archive <commit> src | tar -x -C ../old
+    python benchmarks/compare_trees.py --old ../old/src --new src [--rounds 5] [--repeats 30]
 
 Prints a Markdown table; ``--json PATH`` also writes every measurement.
 """
