@@ -15,19 +15,22 @@ to float32 and back (AVX2 has no 16-bit arithmetic); the round-trip column is th
 alone, done by torch. Small shapes (decode) are timed as batches of calls. Usage::
 
     python benchmarks/cpu_floor.py [--repeats 50] [--threads 1 2] [--shapes prefill decode]
-        [--dtypes float32 bfloat16]
+        [--dtypes float32 bfloat16] [--json]
+
+``--json`` prints one JSON object per row instead of the table (``benchmarks/compare_trees.py``
+runs this script on two source trees and compares them).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
 import torch
 
 import ropekit
-from ropekit.backends import cpu_native
 
 SHAPES = {"prefill": (1, 32, 4096, 128), "decode": (16, 32, 1, 128)}
 
@@ -85,15 +88,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args()
-    if not cpu_native.is_available():
-        raise SystemExit("the native CPU backend is not available here")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads by default, "
-          f"repeats={args.repeats}; times are medians for q and k together; ratio = floor / ours")
+    if "cpu" not in ropekit.backends.available():  # builds the kernel first if needed
+        raise SystemExit("the CPU kernel is not available here")
+    if not args.json:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads by default, "
+              f"repeats={args.repeats}; times are medians for q and k together; ratio = floor / ours")
     header = (f"{'shape':8} {'dtype':9} {'thr':>3} | {'mul_':>8} {'clone':>8} {'f32 trip':>8} | "
               f"{'in place':>8} {'out':>8} | {'in ratio':>8} {'out ratio':>9} {'out/trip':>8}")
-    print(header)
-    print("-" * len(header))
+    if not args.json:
+        print(header)
+        print("-" * len(header))
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
         calls = 1 if shape[2] > 1 else 200  # decode steps take microseconds: time them in batches
@@ -103,6 +109,11 @@ def main() -> None:
                 torch.set_num_threads(threads)
                 t = measure(ops(q, k, cos, sin), args.repeats, calls)
                 ms = {name: 1e3 * v for name, v in t.items()}
+                if args.json:
+                    print(json.dumps({"shape": shape_name, "dtype": str(dtype)[6:], "threads": threads, "ms": ms,
+                                      "in_ratio": t["mul_(1.0)"] / t["ropekit inplace"],
+                                      "out_ratio": t["clone()"] / t["ropekit out"]}), flush=True)
+                    continue
                 trip = f"{ms['round trip']:8.3f}" if "round trip" in t else f"{'':8}"
                 trip_ratio = f"{t['round trip'] / t['ropekit out']:8.2f}" if "round trip" in t else ""
                 print(

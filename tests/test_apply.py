@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ropekit import apply_reference, apply_rotary, backends, base_inv_freq, cos_sin
-from ropekit.backends import torch_eager
+from ropekit.ops import eager as torch_eager
 
 LAYOUTS = ["half", "interleaved"]
 EPS = {
@@ -349,12 +349,12 @@ def test_repeated_call_takes_the_fast_path_and_still_checks_new_signatures(monke
 
     cos, sin = cos_sin(torch.arange(3), base_inv_freq(8))
     x = torch.randn(2, 3, 8)
-    monkeypatch.setattr(functional, "_fast_single", {})
+    monkeypatch.setattr(functional, "_prepared", {})
     first = apply_rotary(x, cos, sin)
-    real = functional._expand_tables
-    monkeypatch.setattr(functional, "_expand_tables", lambda *args: pytest.fail("checks ran again"))
+    real = functional._check_tables
+    monkeypatch.setattr(functional, "_check_tables", lambda *args: pytest.fail("checks ran again"))
     torch.testing.assert_close(apply_rotary(x, cos, sin), first, rtol=0, atol=0)  # fast path
-    monkeypatch.setattr(functional, "_expand_tables", real)
+    monkeypatch.setattr(functional, "_check_tables", real)
     with pytest.raises(ValueError, match="do not broadcast"):  # another signature: checked
         apply_rotary(torch.randn(2, 4, 8), cos, sin)
     with pytest.raises(ValueError, match="layout"):

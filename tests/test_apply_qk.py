@@ -9,8 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ropekit import apply_reference, apply_rotary, apply_rotary_qk, backends, base_inv_freq, cos_sin
-from ropekit.backends import cpu_native
+from ropekit import apply_reference, apply_rotary, apply_rotary_qk, backends, base_inv_freq, cos_sin, ops
 
 LAYOUTS = ["half", "interleaved"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -93,38 +92,34 @@ def decode_inputs(dtype=torch.float32, q_heads=32, k_heads=8, seed=0):
     return q, k, cos, sin
 
 
-@pytest.mark.skipif(not cpu_native.is_available(), reason="native CPU backend unavailable")
+@pytest.mark.skipif("cpu" not in ops.available(), reason="C++ CPU kernel unavailable")
 def test_decode_step_is_one_native_call(monkeypatch):
     """On the CPU q and k go to the kernel once, not once per tensor, on the first call (checks)
     and on the next ones (the fast path)."""
     from ropekit import functional
 
     q, k, cos, sin = decode_inputs()
-    calls = {"team": 0, "single": 0}
-    teams, singles = dict(cpu_native._state["teams"]), dict(cpu_native._state["functions"])
+    cpu = ops.get("cpu")
+    calls = {"pair": 0, "single": 0}
 
-    def counting(table, name):
-        def wrap(fn):
-            def call(*args):
-                calls[name] += 1
-                return fn(*args)
-            return call
-        return {dtype: wrap(fn) for dtype, fn in table.items()}
+    def counting(fn, name):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
 
-    monkeypatch.setitem(cpu_native._state, "teams", counting(teams, "team"))
-    monkeypatch.setitem(cpu_native._state, "functions", counting(singles, "single"))
-    monkeypatch.setattr(functional, "_fast_pair", {})
-    cpu_native._pair_prepared.clear()
+    monkeypatch.setattr(cpu, "_pair", counting(cpu._pair, "pair"))
+    monkeypatch.setattr(cpu, "_rotate", counting(cpu._rotate, "single"))
     expected = apply_rotary(q, cos, sin, backend="torch"), apply_rotary(k, cos, sin, backend="torch")
+    monkeypatch.setattr(functional, "_prepared", {})
     for step in range(1, 4):
         q_out, k_out = apply_rotary_qk(q, k, cos, sin)
-        assert calls == {"team": step, "single": 0}
-        assert len(functional._fast_pair) == 1
+        assert calls == {"pair": step, "single": 0}
+        assert len(functional._prepared) == 1
         # the next calls take the fast path: they never reach the checks
-        monkeypatch.setattr(functional, "_expand_tables", lambda *args: pytest.fail("checks ran again"))
+        monkeypatch.setattr(functional, "_check_tables", lambda *args: pytest.fail("checks ran again"))
         assert_bits(q_out, expected[0])
         assert_bits(k_out, expected[1])
-    cpu_native._pair_prepared.clear()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

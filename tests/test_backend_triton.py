@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 
 import ropekit  # noqa: E402
 from ropekit import apply_reference, base_inv_freq, cos_sin  # noqa: E402
-from ropekit.backends import triton_api, triton_pair, triton_rotary  # noqa: E402, F401 - registers the pair ops
+from ropekit.ops import triton_kernel as triton_rotary  # noqa: E402
 
 # The variable is needed while triton is first imported; afterwards only our tests need it
 # (per test, below), so the rest of the suite sees the environment it started with.
@@ -38,6 +38,30 @@ torch.set_num_threads(1)
 LAYOUTS = ("half", "interleaved")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TABLE_ROWS = 64
+
+
+class triton_api:  # noqa: N801 - the Triton backend's forms through the public API and the operators
+    """``rotate``/``rotate_qk`` on ``backend="triton"`` (``conjugate`` through the operators)."""
+
+    @staticmethod
+    def rotate(x, cos, sin, *, layout, conjugate=False, inplace=False):
+        if conjugate:
+            return torch.ops.ropekit.rotate(x, cos, sin, layout, True, "triton")
+        return ropekit.apply_rotary(x, cos, sin, layout=layout, inplace=inplace, backend="triton")
+
+    @staticmethod
+    def rotate_qk(q, k, cos, sin, *, positions=None, offsets=0, cu_seqlens=None, max_seqlen=None, seq_dim, layout,
+                  conjugate=False, inplace=False):
+        if not conjugate:
+            return ropekit.rotate_qk(q, k, cos, sin, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens,
+                                     max_seqlen=max_seqlen, seq_dim=seq_dim, layout=layout, inplace=inplace,
+                                     backend="triton")
+        offset, offsets_t = (offsets, None) if isinstance(offsets, int) else (0, offsets.reshape(-1))
+        args = (cos, sin, positions, offsets_t, offset, cu_seqlens, max_seqlen, seq_dim, layout, True, "triton")
+        if inplace:
+            torch.ops.ropekit.rotate_pair_positions_(q, k, *args)
+            return q, k
+        return torch.ops.ropekit.rotate_pair_positions(q, k, *args)
 
 
 @pytest.fixture(autouse=True)
@@ -129,8 +153,7 @@ def test_rotate_contract_strides(case, launches):
     assert len(launches) == (2 if case == "five_dims" else 1)
 
 
-def test_apply_rotary_through_backend_registry(monkeypatch):
-    monkeypatch.setitem(ropekit.backends._BACKENDS, "triton", triton_api.rotate)
+def test_apply_rotary_through_backend_registry():
     inv_freq, cos, sin = tables(16)
     x = torch.randn(1, 2, 6, 16, requires_grad=True)
     out = ropekit.apply_rotary(x, cos[:6], sin[:6], layout="half", backend="triton")
@@ -355,14 +378,19 @@ def test_custom_ops_pass_opcheck():
     c, s = cos[:5].reshape(1, 5, 1, 8), sin[:5].reshape(1, 5, 1, 8)
     ops = torch.ops.ropekit
     cases = [
-        (ops.triton_rotary_qk, (q, k, cos, sin, None, torch.tensor([1, 3]), 2, None, None, 1, "half", False)),
-        (ops.triton_rotary_qk_, (q.detach().clone(), k.detach().clone(), cos, sin, None, None, 4, None, None, 1,
-                                 "interleaved", True)),
-        (ops.triton_rotary_qk, (packed, packed, cos, sin, None, None, 0, cu, None, 0, "interleaved", False)),
-        (ops.triton_rotary, (q, c, s, "interleaved", False)),
-        (ops.triton_rotary_, (q.detach().clone(), c, s, "half", True)),
-        (ops.triton_rotary_pair, (q, k, c, s, "interleaved", False)),
-        (ops.triton_rotary_pair_, (q.detach().clone(), k.detach().clone(), c, s, "half", True)),
+        (ops.rotate_pair_positions, (q, k, cos, sin, None, torch.tensor([1, 3]), 2, None, None, 1, "half", False,
+                                     "triton")),
+        (ops.rotate_pair_positions_, (q.detach().clone(), k.detach().clone(), cos, sin, None, None, 4, None, None, 1,
+                                      "interleaved", True, "triton")),
+        (ops.rotate_pair_positions, (packed, packed, cos, sin, None, None, 0, cu, None, 0, "interleaved", False,
+                                     "triton")),
+        (ops.rotate_positions, (packed, cos, sin, None, None, 3, cu, None, 0, "half", True, "triton")),
+        (ops.rotate_positions_, (packed.detach().clone(), cos, sin, None, None, 0, cu, None, 0, "half", False,
+                                 "triton")),
+        (ops.rotate, (q, c, s, "interleaved", False, "triton")),
+        (ops.rotate_, (q.detach().clone(), c, s, "half", True, "triton")),
+        (ops.rotate_pair, (q, k, c, s, "interleaved", False, "triton")),
+        (ops.rotate_pair_, (q.detach().clone(), k.detach().clone(), c, s, "half", True, "triton")),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -387,12 +415,11 @@ def test_compile_fullgraph_traces_the_custom_ops():
     offsets = torch.tensor([1, 4])
     got = torch.compile(step, fullgraph=True, backend=recording)(q.clone(), k.clone(), offsets)
     torch.testing.assert_close(got, (q, k), atol=1e-6, rtol=1e-6)
-    assert len(graphs) == 1 and "triton_rotary_qk" in graphs[0] and "triton_rotary_qk_" in graphs[0]
+    assert len(graphs) == 1 and "rotate_pair_positions" in graphs[0] and "rotate_pair_positions_" in graphs[0]
 
 
 def test_compile_fullgraph_backward_and_apply_rotary(monkeypatch):
     torch._dynamo.reset()
-    monkeypatch.setitem(ropekit.backends._BACKENDS, "triton", triton_api.rotate)
     _, cos, sin = tables(16)
 
     def loss(q, k, x):
@@ -410,7 +437,6 @@ def test_compile_fullgraph_backward_and_apply_rotary(monkeypatch):
 
 def test_compile_fullgraph_traces_the_pair_op(monkeypatch):
     torch._dynamo.reset()
-    monkeypatch.setitem(ropekit.backends._BACKENDS, "triton", triton_api.rotate)
     graphs = []
 
     def recording(gm, example_inputs):
@@ -423,7 +449,7 @@ def test_compile_fullgraph_traces_the_pair_op(monkeypatch):
     got = torch.compile(step, fullgraph=True, backend=recording)(q, k)
     for a, b in zip(got, step(q, k), strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    assert len(graphs) == 1 and "triton_rotary_pair" in graphs[0]
+    assert len(graphs) == 1 and "ropekit.rotate_pair" in graphs[0]
 
 
 def test_without_interpreter_cpu_falls_back_to_eager(monkeypatch, launches):
@@ -446,7 +472,7 @@ def test_without_interpreter_cpu_falls_back_to_eager(monkeypatch, launches):
 def test_module_imports_without_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, "triton.language", None)
-    spec = importlib.util.spec_from_file_location("_ropekit_triton_probe", triton_rotary.__file__)
+    spec = importlib.util.spec_from_file_location("ropekit.ops._triton_probe", triton_rotary.__file__)
     probe = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, probe)
     spec.loader.exec_module(probe)

@@ -20,20 +20,21 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "RopeConfig": "config.rope_config",
     "RotaryEmbedding": "nn.rotary",
-    "apply_reference": "backends.reference",
-    "rotation_matrix": "backends.reference",
+    "apply_reference": "ops.reference",
+    "rotation_matrix": "ops.reference",
     "base_inv_freq": "rope.frequencies",
     "cos_sin": "rope.frequencies",
     "inv_frequencies": "config.rules",
     "rotation_angles": "rope.frequencies",
     "apply_rotary": "functional",
     "apply_rotary_qk": "functional",
+    "rotate": "functional",
     "rotate_qk": "functional",
     "channel_permutation": "rope.layouts",
     "convert_layout": "rope.layouts",
     "permute_qk_weight": "rope.layouts",
 }
-_SUBMODULES = ("backends", "scaling")
+_SUBMODULES = ("backends", "ops", "scaling")
 
 __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "RopeConfig",
@@ -47,7 +48,9 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "convert_layout",
     "cos_sin",
     "inv_frequencies",
+    "ops",
     "permute_qk_weight",
+    "rotate",
     "rotate_qk",
     "rotation_angles",
     "rotation_matrix",
@@ -55,13 +58,13 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
 ]
 
 if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names are imported on first use
-    from . import backends
-    from .backends.reference import apply_reference, rotation_matrix
+    from . import backends, ops, scaling
     from .config import RopeConfig
-    from .functional import apply_rotary, apply_rotary_qk, rotate_qk
+    from .config.rules import inv_frequencies
+    from .functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
     from .nn.rotary import RotaryEmbedding
-    from .rope import scaling
-    from .rope.frequencies import base_inv_freq, cos_sin, inv_frequencies, rotation_angles
+    from .ops.reference import apply_reference, rotation_matrix
+    from .rope.frequencies import base_inv_freq, cos_sin, rotation_angles
     from .rope.layouts import channel_permutation, convert_layout, permute_qk_weight
 
 

@@ -1,50 +1,92 @@
-"""``apply_rotary``: validate, pick a backend, rotate (out of place or in place) with autograd.
+"""The public rotations: validate every argument once, then call an operator (:mod:`ropekit.ops`).
 
-Decode fast path: a call whose signature (shapes, strides, dtypes and devices of every tensor,
-and the options) matches one that already passed every check, with no gradient to record,
-goes straight to the backend's prepared call (:func:`ropekit.backends.runner`). A decode loop
-repeats one signature, so all that remains per step is the kernel and a few attribute reads.
+- :func:`apply_rotary` / :func:`apply_rotary_qk`: tables broadcast against x (or q and k);
+- :func:`rotate` / :func:`rotate_qk`: full tables, each token's row looked up by position
+  (per-token ``positions``, ``offsets``, packed ``cu_seqlens``), flash-attention's and vLLM's forms.
+
+``backend`` names a registered backend (:func:`ropekit.ops.available`); ``"auto"`` picks by
+device. Autograd: the gradient is the rotation by ``-theta`` (nothing of the inputs' size is
+saved); learned tables (``cos``/``sin`` requiring grad) take a composite path that
+differentiates them too. ``torch.compile(fullgraph=True)`` traces every entry point as one
+operator node.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
+from torch import Tensor
 
-from . import backends
+from .ops import operators
+from .ops.dispatch import get as get_backend
+from .ops.dispatch import on_register, resolve
+from .ops.eager import rotate_differentiable
+from .ops.positions import check_shapes
 from .validation import check_float_tensor, check_layout
 
-_FAST_CACHE_SIZE = 256
-_fast_single: dict[tuple, Callable] = {}
-_fast_pair: dict[tuple, Callable] = {}
+# Signatures (shapes, strides, dtypes and devices of every tensor, and the options) whose checks
+# passed, with the backend call they lead to: a decode loop repeats one signature, so what is
+# left per step is the kernel. Only used with nothing to record or trace (see ops.operators).
+_PREPARED_MAX = 256
+_prepared: dict[tuple, object] = {}
+on_register(lambda: _prepared.clear())  # a name may now mean another backend
 
 
-def _remember(cache: dict[tuple, Callable], key: tuple | None, run: Callable | None) -> None:
-    if key is not None and run is not None:
-        if len(cache) >= _FAST_CACHE_SIZE:
-            cache.clear()
-        cache[key] = run
+def _remember(tensors: tuple, options: tuple, call) -> None:
+    """Keep ``call`` for the signature of ``tensors`` and ``options`` (which passed every check)."""
+    if torch.compiler.is_compiling() or any(type(t) is not Tensor or t.layout is not torch.strided for t in tensors):
+        return
+    if len(_prepared) >= _PREPARED_MAX:
+        _prepared.clear()
+    key = [v for t in tensors for v in (t.shape, t.stride(), t.dtype, t.device)]
+    _prepared[(*key, *options)] = call
 
 
-def _signature(tensors: tuple, options: tuple) -> tuple | None:
-    """The fast-path key of plain CPU/GPU tensors, or None (subclasses, sparse, under compile)."""
-    if torch.compiler.is_compiling():
-        return None
-    key: list = []
-    for t in tensors:
-        if type(t) is not torch.Tensor or t.layout is not torch.strided:
-            return None
-        key += (t.shape, t.stride(), t.dtype, t.is_cpu)
-    return (*key, *options)
+_EXACT_OVERLAP_MAX = 1 << 22  # elements up to which an unusual layout is checked element by element
 
 
-def _expand_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check the tables against ``x`` and view them with ``x.dim()`` dimensions.
+def _overlaps(x: Tensor) -> bool:
+    """Whether two indices of ``x`` address one element (torch's own test, then an exact one where it gives up).
 
-    This runs on every call (decode steps included), so the common case costs a few
-    attribute reads; the messages are only built when something is wrong.
+    Strides that each pass the reach of the smaller ones (every dense, transposed or sliced view)
+    cannot overlap; other layouts are checked element by element, or, past
+    ``_EXACT_OVERLAP_MAX`` elements, taken as overlapping.
     """
+    status = torch._debug_has_internal_overlap(x)  # 0: no, 1: yes, 2: too hard for torch
+    if status != 2:
+        return status == 1
+    reach = 0  # the farthest offset the axes of smaller stride reach: each next stride must pass it
+    for stride, size in sorted((st, n) for st, n in zip(x.stride(), x.shape, strict=True) if n > 1):
+        if stride <= reach:
+            break
+        reach += (size - 1) * stride
+    else:
+        return False
+    if x.numel() > _EXACT_OVERLAP_MAX:
+        return True
+    offsets = torch.zeros((), dtype=torch.long)
+    for stride, size in zip(x.stride(), x.shape, strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+    return offsets.unique().numel() < x.numel()
+
+
+def _check_inplace(x: Tensor, name: str) -> None:
+    """In place needs each element of ``x`` stored once (torch refuses the same for its own ops)."""
+    if not torch.compiler.is_compiling() and _overlaps(x):
+        raise ValueError(
+            f"{name} has elements that share memory (an expand or as_strided view of shape {tuple(x.shape)} and "
+            f"strides {x.stride()}); in-place rotation needs each element stored once: pass {name}.clone() or "
+            "use inplace=False"
+        )
+
+
+def _check_options(layout: str, inplace: bool) -> None:
+    check_layout(layout)
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
+
+
+def _check_tables(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Check the tables against ``x``: ``(..., rotary_dim // 2)`` broadcasting against ``x.shape[:-1]``."""
     check_float_tensor(cos, "cos")
     check_float_tensor(sin, "sin")
     table_shape, x_shape = cos.shape, x.shape
@@ -73,79 +115,22 @@ def _expand_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tup
             )
     if not (cos.is_cpu and x.is_cpu) and cos.device != x.device:
         raise ValueError(f"cos is on {cos.device} but x is on {x.device}")
-    if lead:  # adding leading size-1 axes is always a view
-        cos = cos.view((1,) * lead + tuple(table_shape))
-        sin = sin.view((1,) * lead + tuple(table_shape))
-    return cos, sin
-
-
-class _Rotary(torch.autograd.Function):
-    """Rotation with a hand-written backward: the gradient is rotated by ``-theta``.
-
-    Nothing of ``x``'s size is saved for the backward pass, only the tables.
-    """
-
-    @staticmethod
-    def forward(ctx, x, cos, sin, layout, inplace, rotate):  # noqa: D102
-        out = rotate(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)
-        ctx.save_for_backward(cos, sin)
-        ctx.layout = layout
-        ctx.rotate = rotate
-        if inplace:
-            ctx.mark_dirty(x)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        cos, sin = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # create_graph=True (double backward): the backward is itself a rotation (by -theta),
-            # so express it through this Function to keep it differentiable; the raw kernel
-            # cannot write a grad-requiring result into its preallocated output.
-            grad_x = _Rotary.apply(grad, cos, -sin, ctx.layout, False, ctx.rotate)
-        else:
-            grad_x = ctx.rotate(grad, cos, sin, layout=ctx.layout, conjugate=True, inplace=False)
-        return grad_x, None, None, None, None, None
-
-
-class _RotaryPair(torch.autograd.Function):
-    """:class:`_Rotary` for q and k together (one kernel call each way)."""
-
-    @staticmethod
-    def forward(ctx, q, k, cos_q, sin_q, cos_k, sin_k, layout, inplace, pair):  # noqa: D102
-        q_out, k_out = pair(q, k, cos_q, sin_q, cos_k, sin_k, layout=layout, conjugate=False, inplace=inplace)
-        ctx.save_for_backward(cos_q, sin_q, cos_k, sin_k)
-        ctx.layout = layout
-        ctx.pair = pair
-        if inplace:
-            ctx.mark_dirty(q, k)
-        return q_out, k_out
-
-    @staticmethod
-    def backward(ctx, grad_q, grad_k):  # noqa: D102
-        cos_q, sin_q, cos_k, sin_k = ctx.saved_tensors
-        if torch.is_grad_enabled():  # double backward: see _Rotary.backward
-            grads = _RotaryPair.apply(grad_q, grad_k, cos_q, -sin_q, cos_k, -sin_k, ctx.layout, False, ctx.pair)
-        else:
-            grads = ctx.pair(grad_q, grad_k, cos_q, sin_q, cos_k, sin_k, layout=ctx.layout, conjugate=True,
-                             inplace=False)
-        return (*grads, None, None, None, None, None, None, None)
 
 
 def apply_rotary_qk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
     *,
     layout: str = "half",
     inplace: bool = False,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor]:
     """:func:`apply_rotary` for queries and keys sharing one pair of tables, in one kernel call.
 
     What transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` does, with ropekit's
-    half-width tables. On the CPU q and k cross into the native kernel once (their rows split
+    half-width tables. On the CPU q and k cross into the C++ kernel once (their rows split
     over torch's threads together), which halves the fixed cost of a decode step; on CUDA they
     are one Triton launch. Results are those of two :func:`apply_rotary` calls.
 
@@ -157,62 +142,57 @@ def apply_rotary_qk(
             and to ``k.shape[:-1] + (rotary_dim // 2,)``, as for :func:`apply_rotary`.
         layout: ``"half"`` or ``"interleaved"``.
         inplace: rotate q and k themselves (they must be distinct tensors).
-        backend: ``"auto"`` or a name from :func:`ropekit.backends.available`.
+        backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
 
     Returns:
         ``(q_rotated, k_rotated)`` with the shapes and dtypes of q and k.
     """
-    if type(q) is type(k) is type(cos) is type(sin) is torch.Tensor and not torch.compiler.is_compiling():
+    if type(q) is type(k) is type(cos) is type(sin) is Tensor and not torch.compiler.is_compiling():
         try:
-            run = _fast_pair.get((q.shape, q.stride(), q.dtype, q.is_cpu, k.shape, k.stride(), k.dtype, k.is_cpu,
-                                  cos.shape, cos.stride(), cos.dtype, cos.is_cpu, sin.shape, sin.stride(), sin.dtype,
-                                  sin.is_cpu, layout, inplace, backend))
-        except (RuntimeError, TypeError):  # no strides (sparse), unhashable options
+            run = _prepared.get((q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+                                 cos.shape, cos.stride(), cos.dtype, cos.device, sin.shape, sin.stride(), sin.dtype,
+                                 sin.device, "qk", layout, inplace, backend))
+        except (RuntimeError, TypeError):  # no strides (sparse), unhashable options: the checks say what is wrong
             run = None
         if run is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                  or cos.requires_grad or sin.requires_grad)):
             return run(q, k, cos, sin)
     check_float_tensor(q, "q")
     check_float_tensor(k, "k")
-    check_layout(layout)
-    if not isinstance(inplace, bool):
-        raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
+    _check_options(layout, inplace)
     if q.dim() == 0 or k.dim() == 0 or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must have the same head_dim, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
-    if inplace and q is k:
-        raise ValueError("inplace=True needs distinct q and k tensors (the same tensor would be rotated twice)")
     if not (q.is_cpu and k.is_cpu) and q.device != k.device:
         raise ValueError(f"q is on {q.device} but k is on {k.device}")
-    key = _signature((q, k, cos, sin), (layout, inplace, backend))
-    cos_q, sin_q = _expand_tables(q, cos, sin)
-    cos_k, sin_k = cos_q, sin_q
-    if k.shape[:-1] != q.shape[:-1]:
-        cos_k, sin_k = _expand_tables(k, cos, sin)  # checked against k too
-        if k.dim() == q.dim():  # the same views: pass the same objects (one launch on Triton)
-            cos_k, sin_k = cos_q, sin_q
-    grad = torch.is_grad_enabled()
-    if grad and (cos.requires_grad or sin.requires_grad):
+    if inplace:
+        if q is k:
+            raise ValueError("inplace=True needs distinct q and k tensors (the same tensor would be rotated twice)")
+        _check_inplace(q, "q")
+        _check_inplace(k, "k")
+    _check_tables(q, cos, sin)
+    _check_tables(k, cos, sin)
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return (apply_rotary(q, cos, sin, layout=layout, inplace=inplace, backend=backend),
                 apply_rotary(k, cos, sin, layout=layout, inplace=inplace, backend=backend))
-    rotate = backends.select(backend, q)
-    pair = backends.pair_of(rotate)
-    if grad and (q.requires_grad or k.requires_grad):
-        return _RotaryPair.apply(q, k, cos_q, sin_q, cos_k, sin_k, layout, inplace, pair)
-    if key is not None:  # the expanded tables are views of cos/sin: the runner reads those
-        _remember(_fast_pair, key, backends.pair_runner(rotate, q, k, cos_q, sin_q, cos_k, sin_k, layout=layout,
-                                                        inplace=inplace))
-    return pair(q, k, cos_q, sin_q, cos_k, sin_k, layout=layout, conjugate=False, inplace=inplace)
+    name = resolve(backend, q.device.type)
+    if k.dim() != q.dim():  # tables viewed for q do not fit k: one call each
+        return (operators.rotate(q, cos, sin, layout=layout, backend=name, inplace=inplace),
+                operators.rotate(k, cos, sin, layout=layout, backend=name, inplace=inplace))
+    if operators.direct(q, k, cos, sin):
+        run = get_backend(name).prepared((q, k, cos, sin), layout=layout, inplace=inplace)
+        _remember((q, k, cos, sin), ("qk", layout, inplace, backend), run)
+    return operators.rotate_pair(q, k, cos, sin, layout=layout, backend=name, inplace=inplace)
 
 
 def apply_rotary(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
     *,
     layout: str = "half",
     inplace: bool = False,
     backend: str = "auto",
-) -> torch.Tensor:
+) -> Tensor:
     r"""Rotate the first ``rotary_dim`` channels of ``x`` by the angles behind ``cos``/``sin``.
 
     For each rotary pair ``(x1, x2)``:
@@ -230,7 +210,7 @@ def apply_rotary(
         layout: ``"half"`` pairs channels ``(i, i + rotary_dim/2)`` (GPT-NeoX, HF);
             ``"interleaved"`` pairs ``(2i, 2i+1)`` (RoFormer, Meta, GPT-J).
         inplace: rotate ``x`` itself and return it; allocates nothing of ``x``'s size.
-        backend: ``"auto"`` or a name from :func:`ropekit.backends.available`.
+        backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
 
     Returns:
         Tensor of ``x``'s shape and dtype (``x`` itself when ``inplace``). Arithmetic is
@@ -240,85 +220,163 @@ def apply_rotary(
     activations). When ``cos``/``sin`` require grad (learned frequencies) a composite
     path is used that also differentiates the tables.
     """
-    if type(x) is type(cos) is type(sin) is torch.Tensor and not torch.compiler.is_compiling():
+    if type(x) is type(cos) is type(sin) is Tensor and not torch.compiler.is_compiling():
         try:
-            run = _fast_single.get((x.shape, x.stride(), x.dtype, x.is_cpu, cos.shape, cos.stride(), cos.dtype,
-                                    cos.is_cpu, sin.shape, sin.stride(), sin.dtype, sin.is_cpu, layout, inplace,
-                                    backend))
-        except (RuntimeError, TypeError):  # no strides (sparse), unhashable options
+            run = _prepared.get((x.shape, x.stride(), x.dtype, x.device, cos.shape, cos.stride(), cos.dtype,
+                                 cos.device, sin.shape, sin.stride(), sin.dtype, sin.device, "x", layout, inplace,
+                                 backend))
+        except (RuntimeError, TypeError):  # no strides (sparse), unhashable options: the checks say what is wrong
             run = None
         if run is not None and not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad
                                                                  or sin.requires_grad)):
             return run(x, cos, sin)
     check_float_tensor(x, "x")
-    check_layout(layout)
-    if not isinstance(inplace, bool):
-        raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
-    key = _signature((x, cos, sin), (layout, inplace, backend))
-    cos, sin = _expand_tables(x, cos, sin)
-    rotate = backends.select(backend, x)
-    tables_need_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
-    if tables_need_grad:
-        from .backends.torch_eager import rotate_differentiable
-
+    _check_options(layout, inplace)
+    if inplace:
+        _check_inplace(x, "x")
+    _check_tables(x, cos, sin)
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         if not inplace:
             return rotate_differentiable(x, cos, sin, layout=layout)
-        rotated = rotate_differentiable(x.clone(), cos, sin, layout=layout)
-        return x.copy_(rotated)
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _Rotary.apply(x, cos, sin, layout, inplace, rotate)
-    if key is not None:  # the expanded tables are views of the caller's: the runner reads those
-        _remember(_fast_single, key, backends.runner(rotate, x, cos, sin, layout=layout, inplace=inplace))
-    return rotate(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)
+        return x.copy_(rotate_differentiable(x.clone(), cos, sin, layout=layout))
+    name = resolve(backend, x.device.type)
+    if operators.direct(x, cos, sin):
+        _remember((x, cos, sin), ("x", layout, inplace, backend),
+                  get_backend(name).prepared((x, cos, sin), layout=layout, inplace=inplace))
+    return operators.rotate(x, cos, sin, layout=layout, backend=name, inplace=inplace)
 
 
-def rotate_qk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_table: torch.Tensor,
-    sin_table: torch.Tensor,
+def _unflatten_heads(t: Tensor, head_size: int, name: str) -> Tensor:
+    """``(..., heads * head_size)`` viewed as ``(..., heads, head_size)`` (vLLM's flat q/k)."""
+    if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size <= 0:
+        raise TypeError(f"head_size must be a positive int or None, got {head_size!r}")
+    check_float_tensor(t, name)
+    if t.dim() == 0 or t.shape[-1] % head_size:
+        raise ValueError(f"{name} of shape {tuple(t.shape)} is not (..., heads * head_size) with head_size={head_size}")
+    return t.unflatten(-1, (t.shape[-1] // head_size, head_size))
+
+
+def _by_position_checks(q: Tensor, k: Tensor | None, cos_table: Tensor, sin_table: Tensor, inplace: bool) -> None:
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
+    if inplace:
+        if q is k:
+            raise ValueError("inplace=True needs distinct q and k tensors (the same tensor would be rotated twice)")
+        _check_inplace(q, "q" if k is not None else "x")
+        if k is not None:
+            _check_inplace(k, "k")
+    if torch.is_grad_enabled() and (cos_table.requires_grad or sin_table.requires_grad):
+        raise ValueError("rotation by position does not differentiate cos_table/sin_table; use apply_rotary for "
+                         "learned tables")
+
+
+def rotate(
+    x: Tensor,
+    cos_table: Tensor,
+    sin_table: Tensor,
     *,
-    positions: torch.Tensor | None = None,
-    offsets: int | torch.Tensor = 0,
-    cu_seqlens: torch.Tensor | None = None,
+    positions: Tensor | None = None,
+    offsets: int | Tensor = 0,
+    cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     seq_dim: int,
     layout: str = "half",
     inplace: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    backend: str = "auto",
+) -> Tensor:
+    r"""Rotate one tensor by token position, looking each token's row up in the full tables.
+
+    flash-attention's ``apply_rotary_emb(x, cos, sin, interleaved, inplace, seqlen_offsets,
+    cu_seqlens, max_seqlen)`` with ropekit's names: token ``t`` of sequence ``b`` is rotated by
+    row ``p`` of the tables, ``p = positions[(b,) t]`` if given, else ``p = offsets (or
+    offsets[b]) + t``; with ``cu_seqlens``, ``t`` counts from the start of its own sequence.
+    Per rotary pair :math:`y_1 = x_1 c_p - x_2 s_p,\; y_2 = x_2 c_p + x_1 s_p`.
+
+    Args:
+        x: ``(batch, seq, heads, head_dim)`` (``seq_dim=1``), ``(batch, heads, seq, head_dim)``
+            (``seq_dim=2``), packed ``(tokens, heads, head_dim)`` (``seq_dim=0``), or without
+            the batch or head axis; any strides and float dtype.
+        cos_table, sin_table: ``(max_positions, rotary_dim // 2)`` (float32 from
+            :func:`ropekit.cos_sin`); channels past ``rotary_dim`` are left as they are.
+        positions: integer ``(seq,)`` or ``(batch, seq)``; with ``cu_seqlens``, ``(tokens,)``.
+        offsets: int, or integer ``(batch,)`` tensor (a KV cache's lengths; not with ``positions``).
+        cu_seqlens: integer ``(batch + 1,)`` boundaries of the sequences packed in x (``seq_dim=0``).
+        max_seqlen: longest packed sequence (computed when omitted).
+        seq_dim: the sequence (or packed token) axis.
+        layout: ``"half"`` or ``"interleaved"`` (flash-attention's ``interleaved=True``).
+        inplace: rotate x itself and return it.
+        backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
+
+    Returns:
+        Tensor of ``x``'s shape and dtype; gradients reach x (not the tables).
+
+    Raises:
+        ValueError: bad shapes, or positions outside the tables (checked before any kernel runs).
+    """
+    where = check_shapes(x, None, cos_table, sin_table, positions, offsets, cu_seqlens, max_seqlen, seq_dim, layout)
+    _by_position_checks(x, None, cos_table, sin_table, inplace)
+    name = resolve(backend, x.device.type)
+    return operators.rotate_positions(x, cos_table, sin_table, where, layout=layout, backend=name, inplace=inplace)
+
+
+def rotate_qk(
+    q: Tensor,
+    k: Tensor,
+    cos_table: Tensor,
+    sin_table: Tensor,
+    *,
+    positions: Tensor | None = None,
+    offsets: int | Tensor = 0,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    seq_dim: int,
+    head_size: int | None = None,
+    layout: str = "half",
+    inplace: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
     """Rotate q and k by token position, looking each token's row up in the full tables.
 
-    The flash-attention / vLLM form: ``cos_table``/``sin_table`` are the whole
+    :func:`rotate` for queries and keys together (one kernel call; on CUDA one Triton launch
+    with the lookup inside the kernel, on the CPU the rows are gathered and the C++ kernel
+    runs). The flash-attention / vLLM form: ``cos_table``/``sin_table`` are the whole
     ``(max_positions, rotary_dim // 2)`` tables (e.g. :meth:`ropekit.RotaryEmbedding.tables`)
     and the positions come from ``positions``, from ``offsets`` (an int, or one per sequence:
     a KV cache's lengths), or from ``cu_seqlens`` for variable-length sequences packed into
-    ``(tokens, heads, head_dim)``. On CUDA this is one Triton launch for q and k with the
-    lookup inside the kernel; elsewhere the rows are gathered and the best kernel for the
-    device runs (the native one on the CPU). ``torch.compile(fullgraph=True)`` traces it.
+    ``(tokens, heads, head_dim)``.
 
     Args:
         q, k: ``(batch, seq, heads, head_dim)`` (``seq_dim=1``), ``(batch, heads, seq,
             head_dim)`` (``seq_dim=2``), packed ``(tokens, heads, head_dim)`` (``seq_dim=0``);
-            any strides; ``k`` may have another head count (GQA/MQA).
+            any strides; ``k`` may have another head count (GQA/MQA). With ``head_size``,
+            vLLM's flat ``(..., heads * head_size)`` q and k (e.g. ``(tokens, 32 * 128)``).
         cos_table, sin_table: float32 ``(max_positions, rotary_dim // 2)``.
         positions: integer ``(seq,)`` or ``(batch, seq)``; with ``cu_seqlens``, ``(tokens,)``.
         offsets: int, or integer ``(batch,)`` tensor (not with ``positions``).
         cu_seqlens: integer ``(batch + 1,)`` sequence boundaries in packed q/k.
         max_seqlen: longest packed sequence (computed when omitted).
         seq_dim: the sequence (or packed token) axis.
+        head_size: channels per head when q and k come flat (vLLM's ``forward(positions, query, key)``).
         layout: ``"half"`` or ``"interleaved"``.
         inplace: rotate q and k themselves.
+        backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
 
     Returns:
-        ``(q_rotated, k_rotated)``; gradients reach q and k (not the tables).
+        ``(q_rotated, k_rotated)`` with the shapes of q and k; gradients reach q and k (not the tables).
 
     Raises:
         ValueError: bad shapes, or positions outside the tables (checked before the kernel runs).
-
-    See :func:`ropekit.backends.triton_api.rotate_qk` for the details.
     """
-    from .backends import triton_api  # imports triton when installed (a fraction of a second, once)
-
-    return triton_api.rotate_qk(q, k, cos_table, sin_table, positions=positions, offsets=offsets,
-                                cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seq_dim=seq_dim, layout=layout,
-                                inplace=inplace)
+    if head_size is not None:  # vLLM's flat (tokens, heads * head_size) q and k
+        q_heads, k_heads = _unflatten_heads(q, head_size, "q"), _unflatten_heads(k, head_size, "k")
+        if isinstance(seq_dim, int) and not isinstance(seq_dim, bool) and -q.dim() <= seq_dim < q.dim() - 1:
+            seq_dim %= q.dim()
+        q_out, k_out = rotate_qk(q_heads, k_heads, cos_table, sin_table, positions=positions, offsets=offsets,
+                                 cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seq_dim=seq_dim, layout=layout,
+                                 inplace=inplace, backend=backend)
+        return (q, k) if inplace else (q_out.flatten(-2), k_out.flatten(-2))
+    where = check_shapes(q, k, cos_table, sin_table, positions, offsets, cu_seqlens, max_seqlen, seq_dim, layout)
+    _by_position_checks(q, k, cos_table, sin_table, inplace)
+    name = resolve(backend, q.device.type)
+    return operators.rotate_pair_positions(q, k, cos_table, sin_table, where, layout=layout, backend=name,
+                                           inplace=inplace)

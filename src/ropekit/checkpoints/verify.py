@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from ..backends.reference import rotation_matrix
+from ..ops.reference import rotation_matrix
 from ..rope.frequencies import base_inv_freq
 from .qk_tensors import QKLayer, layer_parts
 from .source import META_LAYOUT, HeadSpec

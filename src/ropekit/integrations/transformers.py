@@ -4,9 +4,9 @@ Works for the families whose modeling file has a model-level ``*RotaryEmbedding`
 ``(cos, sin)`` and attention layers that call the module-level ``apply_rotary_pos_emb(q, k, cos, sin)``
 (Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-NeoX and their copies). :func:`patch`:
 
-* overrides each rotary module's ``forward`` (instance attribute) to return **float32** tables
-  ``(batch, seq, rotary_dim)`` (halves duplicated, as Hugging Face lays them out) computed by
-  :func:`ropekit.cos_sin` from float64 angles, whatever the activation dtype;
+* overrides each rotary module's ``forward`` (instance attribute) to return ropekit's **float32**
+  half-width tables ``(batch, seq, rotary_dim // 2)`` computed by :func:`ropekit.cos_sin` from
+  float64 angles, whatever the activation dtype (they reach only the patched attention layers);
 * wraps each attention module's ``forward`` so that, while it runs, the modeling module's
   ``apply_rotary_pos_emb`` rotates q/k with :func:`ropekit.apply_rotary_qk` (in ``rope.layout``, float32
   arithmetic, result in q's dtype). Other (unpatched) models sharing the modeling module keep the
@@ -39,11 +39,9 @@ def _dispatcher(original):
             return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
         if args:
             unsqueeze_dim = args[0]
-        layout, backend = _ACTIVE[-1]
-        half = cos.shape[-1] // 2  # full-width tables hold each half-table twice
-        cos_h = cos[..., :half].float().unsqueeze(unsqueeze_dim)
-        sin_h = sin[..., :half].float().unsqueeze(unsqueeze_dim)
-        return apply_rotary_qk(q, k, cos_h, sin_h, layout=layout, backend=backend)
+        layout, backend = _ACTIVE[-1]  # cos/sin: the half-width tables of _rotary_forward
+        return apply_rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim), layout=layout,
+                               backend=backend)
 
     apply_rotary_pos_emb.__ropekit_original__ = original
     return apply_rotary_pos_emb
@@ -51,11 +49,10 @@ def _dispatcher(original):
 
 def _rotary_forward(inv_freq: torch.Tensor, attention_scale: float):
     def forward(self, x, position_ids=None, *args, **kwargs):
-        """``(cos, sin)`` float32 of shape ``position_ids.shape + (rotary_dim,)``."""
+        """``(cos, sin)`` float32 of shape ``position_ids.shape + (rotary_dim // 2,)``."""
         if position_ids is None:
             position_ids = torch.arange(x.shape[-2], device=x.device)[None]
-        cos, sin = cos_sin(position_ids, inv_freq, attention_scale=attention_scale)
-        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return cos_sin(position_ids, inv_freq, attention_scale=attention_scale)
 
     return forward
 
@@ -86,7 +83,7 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
             must match the model's. Its ``layout`` is the pairing q/k are rotated with: ``"half"`` for
             Hugging Face weights; ``"interleaved"`` for a checkpoint whose q/k rows are in Meta /
             llama.cpp order (e.g. converted with ``ropekit convert --to interleaved``).
-        backend: ropekit backend for the rotation (``"auto"`` or a name from ``ropekit.backends.available()``).
+        backend: ropekit backend for the rotation (``"auto"`` or a name from ``ropekit.ops.available()``).
 
     Raises:
         ValueError: already patched, no rotary/attention module found, or ``rope`` that does not fit.

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import backends
+from .. import ops
 from ..functional import apply_rotary, apply_rotary_qk
 from ..rope.frequencies import cos_sin, inv_frequencies
 from .bench_rows import COPY, INPLACE_PASS, ROUND_TRIP, format_table, judge
@@ -224,11 +224,10 @@ def bench_shape(
             time_ms(lambda: compiled(q, k, full_cos, full_sin), device, repeats, warmup=3), copy, hf)
     cos_v, sin_v = cos[:, :], sin[:, :]
     native_to = {"cpu": "cpu", "triton": "cuda"}  # elsewhere these fall back to the torch backend
-    for name in backends.available():
+    for name in ops.available():
         if native_to.get(name, device.type) != device.type:
             continue
         try:
-            backends.select(name, q)
             apply_rotary(q[:1, :1, :1], cos_v[:1], sin_v[:1], backend=name)
         except (RuntimeError, ValueError, TypeError):
             continue  # backend not usable on this device / dtype

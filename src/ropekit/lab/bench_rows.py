@@ -80,7 +80,7 @@ FLAGS = {
 
 def describe(impl: str) -> str:
     """One line saying what ``impl`` (a row's ``impl``) times."""
-    return IMPLEMENTATIONS.get(impl, "a backend registered with ropekit.backends.register")
+    return IMPLEMENTATIONS.get(impl, "a backend registered with ropekit.ops.register")
 
 
 def judge(row: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:

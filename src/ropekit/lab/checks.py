@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..backends.reference import apply_reference, rotation_matrix
 from ..functional import apply_rotary
+from ..ops.reference import apply_reference, rotation_matrix
 from ..rope.frequencies import cos_sin, inv_frequencies
 from ..rope.layouts import permute_qk_weight
 

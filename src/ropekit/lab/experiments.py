@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..backends.reference import apply_reference
+from ..ops.reference import apply_reference
 from ..rope.analysis import similarity_margin
 from ..rope.frequencies import base_inv_freq, inv_frequencies
 from ..rope.scaling import NTK, DynamicNTK, Linear, Llama3, YaRN

@@ -7,11 +7,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..functional import apply_rotary, apply_rotary_qk
-from ..rope.frequencies import cos_sin, inv_frequencies
+from ..config.rules import inv_frequencies
+from ..functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
+from ..rope.frequencies import cos_sin
 from ..validation import check_even_positive, check_layout, check_positions, check_positive_float
 
 _MIN_TABLE = 256
+# The cached tables never grow past this many rows (32 MiB at rotary_dim 128); rows of farther
+# positions are computed for the tokens that need them, so no position id can make the module
+# allocate more than the tokens it rotates.
+MAX_CACHED_POSITIONS = 1 << 16
 
 
 def _round_up_pow2(n: int) -> int:
@@ -28,11 +33,14 @@ class RotaryEmbedding(nn.Module):
             Channels past it are left untouched (partial rotary, e.g. GPT-NeoX 25%).
         layout: ``"half"`` (HF / GPT-NeoX, default) or ``"interleaved"`` (RoFormer / Meta).
         scaling: ``None`` or a rule from :mod:`ropekit.scaling`.
-        backend: kernel for :func:`ropekit.apply_rotary`.
+        backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
+        max_cached_positions: the cached tables hold at most this many rows (default
+            :data:`MAX_CACHED_POSITIONS` = 65536); tokens at farther positions get rows computed
+            for them alone, bit-identical to cached ones (0 caches nothing).
 
     The cos/sin tables are float32, computed from float64 angles, cached per device
-    and grown on demand to cover the largest position seen (never truncated). They
-    are not buffers: ``module.to(torch.bfloat16)`` cannot downcast them.
+    and grown on demand up to ``max_cached_positions`` rows. They are not buffers:
+    ``module.to(torch.bfloat16)`` cannot downcast them.
 
     Shapes in :meth:`forward`: ``q`` is ``(..., seq, heads, head_dim)`` or
     ``(..., heads, seq, head_dim)`` with ``seq_dim`` naming the sequence axis
@@ -49,6 +57,7 @@ class RotaryEmbedding(nn.Module):
         layout: str = "half",
         scaling: Any = None,
         backend: str = "auto",
+        max_cached_positions: int = MAX_CACHED_POSITIONS,
     ) -> None:
         super().__init__()
         self.head_dim = check_even_positive(head_dim, "head_dim")
@@ -59,6 +68,11 @@ class RotaryEmbedding(nn.Module):
         self.layout = check_layout(layout)
         self.scaling = scaling
         self.backend = backend
+        if isinstance(max_cached_positions, bool) or not isinstance(max_cached_positions, int) or (
+            max_cached_positions < 0
+        ):
+            raise ValueError(f"max_cached_positions must be an int >= 0, got {max_cached_positions!r}")
+        self.max_cached_positions = max_cached_positions
         self.inv_freq, self.attention_scale = inv_frequencies(self.rotary_dim, self.base, scaling)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._dynamic_seq_len: int | None = None
@@ -83,16 +97,23 @@ class RotaryEmbedding(nn.Module):
         self._tables.clear()
 
     def tables(self, length: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``(cos, sin)`` of shape ``(n, rotary_dim // 2)`` with ``n >= length``, on ``device``."""
+        """float32 ``(cos, sin)`` of shape ``(n, rotary_dim // 2)`` with ``n >= length``, on ``device``.
+
+        Cached (and grown by doubling) up to ``max_cached_positions`` rows; a longer request is
+        computed for this call alone.
+        """
         device = torch.device(device)
         cached = self._tables.get(device)
-        if cached is None or cached[0].shape[0] < length:
-            size = max(_round_up_pow2(length), _MIN_TABLE)
-            if cached is not None:
-                size = max(size, 2 * cached[0].shape[0])
-            positions = torch.arange(size, device=device)
-            cached = cos_sin(positions, self.inv_freq, attention_scale=self.attention_scale)
-            self._tables[device] = cached
+        if cached is not None and cached[0].shape[0] >= length:
+            return cached
+        if length > self.max_cached_positions:
+            return cos_sin(torch.arange(length, device=device), self.inv_freq, attention_scale=self.attention_scale)
+        size = max(_round_up_pow2(length), _MIN_TABLE)
+        if cached is not None:
+            size = max(size, 2 * cached[0].shape[0])
+        size = min(size, self.max_cached_positions)
+        cached = cos_sin(torch.arange(size, device=device), self.inv_freq, attention_scale=self.attention_scale)
+        self._tables[device] = cached
         return cached
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +128,8 @@ class RotaryEmbedding(nn.Module):
             empty = torch.empty(*positions.shape, self.rotary_dim // 2, device=positions.device)
             return empty, empty.clone()
         self._refresh_dynamic(needed)
+        if needed > self.max_cached_positions:  # far positions: their rows alone (same values as cached rows)
+            return cos_sin(positions, self.inv_freq, attention_scale=self.attention_scale)
         cos, sin = self.tables(needed, positions.device)
         # index with int64: uint8 indices would act as a boolean mask, int8/int16 are rejected
         index = positions.to(torch.int64)
@@ -176,6 +199,27 @@ class RotaryEmbedding(nn.Module):
             view[0] = pos.shape[0]
         return cos.reshape(view), sin.reshape(view)
 
+    def _table_rows(
+        self, x: torch.Tensor, positions: torch.Tensor | None, offset: Any, seq_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Validate ``x`` and name its tokens' rows: ``(cos_table, sin_table, position keywords)``.
+
+        The keywords (``positions``/``offsets``) index the cached tables, or, past
+        ``max_cached_positions``, tables computed for these tokens alone.
+        """
+        _, pos, needed = self._checked_positions(x, positions, offset, seq_dim)
+        self._refresh_dynamic(needed)
+        if needed > self.max_cached_positions:
+            cos, sin = cos_sin(pos, self.inv_freq, attention_scale=self.attention_scale)
+            rows = torch.arange(pos.numel(), device=x.device).reshape(pos.shape)
+            return cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]), {"positions": rows}
+        cos, sin = self.tables(max(needed, 1), x.device)
+        if positions is not None:
+            return cos, sin, {"positions": pos}
+        if isinstance(offset, torch.Tensor):
+            return cos, sin, {"offsets": offset.to(x.device).reshape(-1)}
+        return cos, sin, {"offsets": offset}
+
     def rotate(
         self,
         x: torch.Tensor,
@@ -186,6 +230,10 @@ class RotaryEmbedding(nn.Module):
         inplace: bool = False,
     ) -> torch.Tensor:
         """Rotate one tensor ``x`` (a query or a key); arguments as in :meth:`forward`."""
+        if isinstance(x, torch.Tensor) and 2 <= x.dim() <= 4:
+            cos, sin, where = self._table_rows(x, positions, offset, seq_dim)
+            return rotate(x, cos, sin, **where, seq_dim=seq_dim, layout=self.layout, inplace=inplace,
+                          backend=self.backend)
         cos, sin = self._broadcast_tables(x, positions, offset, seq_dim)
         return apply_rotary(x, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
 
@@ -214,60 +262,29 @@ class RotaryEmbedding(nn.Module):
 
         Returns:
             ``(q_rotated, k_rotated)`` with the input shapes and dtypes.
+
+        q and k of 2 to 4 dims with one rank, batch and dtype go to :func:`ropekit.rotate_qk` (one
+        kernel call; the rows are looked up by position, inside the kernel on CUDA); other
+        shapes to :func:`ropekit.apply_rotary_qk` with the rows gathered here.
         """
-        if k is not None and k.shape[seq_dim] != q.shape[seq_dim]:
+        if k is None:
+            return self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace), None
+        if k.shape[seq_dim] != q.shape[seq_dim]:
             raise ValueError(
                 f"q and k must have the same length along seq_dim={seq_dim}, got {q.shape[seq_dim]} and "
                 f"{k.shape[seq_dim]}"
             )
-        if k is not None and self._fused_launch(q, k, seq_dim):
-            return self._rotate_qk_by_position(q, k, positions, offset, seq_dim, inplace)
-        cos, sin = self._broadcast_tables(q, positions, offset, seq_dim)
-        if k is None:
-            return apply_rotary(q, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend), None
-        if k.dim() != q.dim() or k.shape[0] != q.shape[0]:  # tables gathered for q do not fit k
-            q_out = apply_rotary(q, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
-            return q_out, self.rotate(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace)
         if k.shape[-1] != self.head_dim:
             raise ValueError(f"k has head_dim {k.shape[-1]}, this RotaryEmbedding was built for {self.head_dim}")
-        # one kernel call for both (a decode step crosses into the native kernel once)
+        if k.dim() != q.dim() or k.shape[0] != q.shape[0] or k.dtype != q.dtype:  # not one call: one each
+            return (self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace),
+                    self.rotate(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace))
+        if 2 <= q.dim() <= 4:
+            cos, sin, where = self._table_rows(q, positions, offset, seq_dim)
+            return rotate_qk(q, k, cos, sin, **where, seq_dim=seq_dim, layout=self.layout, inplace=inplace,
+                             backend=self.backend)
+        cos, sin = self._broadcast_tables(q, positions, offset, seq_dim)
         return apply_rotary_qk(q, k, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
-
-    def _fused_launch(self, q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> bool:
-        """Whether q and k go to the Triton kernel in one launch, their table rows looked up inside it.
-
-        On CUDA with the Triton backend ("auto" or "triton"; any device when Triton interprets),
-        for float32/16-bit q and k of 2 to 4 dims with one dtype, batch and head_dim.
-        """
-        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dtype != k.dtype:
-            return False
-        if self.backend not in ("auto", "triton") or (self.backend == "auto" and not q.is_cuda):
-            return False
-        if not 2 <= q.dim() <= 4 or k.dim() != q.dim() or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
-            return False
-        if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not isinstance(seq_dim, int):
-            return False
-        from ..backends import triton_rotary
-
-        return triton_rotary.can_launch(q) and k.device == q.device
-
-    def _rotate_qk_by_position(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, offset: Any, seq_dim: int,
-        inplace: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One Triton launch for q and k, gathering each token's row of the full tables in the kernel."""
-        from ..backends import triton_api
-
-        _, _, needed = self._checked_positions(q, positions, offset, seq_dim)  # rows gathered in the kernel
-        self._refresh_dynamic(needed)
-        cos_table, sin_table = self.tables(max(needed, 1), q.device)
-        if positions is not None:
-            positions = positions.to(q.device)
-        elif isinstance(offset, torch.Tensor):
-            offset = offset.to(q.device).reshape(-1)
-        return triton_api.rotate_qk(q, k, cos_table, sin_table, positions=positions,
-                                    offsets=0 if positions is not None else offset, seq_dim=seq_dim,
-                                    layout=self.layout, inplace=inplace)
 
     # -- construction from configs ------------------------------------------------------------
     @classmethod

@@ -1,4 +1,4 @@
-"""Portable rotary kernel written with plain PyTorch ops (any device, any float dtype).
+"""The eager backend ``"torch"``: the rotation written with plain PyTorch ops (any device, any float dtype).
 
 The rotation of pair ``(x1, x2)`` by the angle with tables ``(c, s)`` is
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+
+from .backend import Backend
 
 CHUNK_ELEMENTS = 1 << 20
 
@@ -130,3 +132,21 @@ def rotate_differentiable(
     else:
         rotated = torch.stack((y1, y2), dim=-1).flatten(-2)
     return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+
+def full_rank(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` viewed with ``x.dim()`` dims (leading axes of size 1 added: always a view)."""
+    lead = x.dim() - cos.dim()
+    if lead <= 0:
+        return cos, sin
+    return cos.view((1,) * lead + tuple(cos.shape)), sin.view((1,) * lead + tuple(sin.shape))
+
+
+class EagerBackend(Backend):
+    """``backend="torch"``: :func:`rotate` on every device; pairs and positions by the defaults."""
+
+    name = "torch"
+
+    def rotate(self, x, cos, sin, *, layout, conjugate, inplace):  # noqa: D102
+        cos, sin = full_rank(x, cos, sin)
+        return rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)

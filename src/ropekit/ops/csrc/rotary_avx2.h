@@ -1,10 +1,10 @@
-/* ropekit: the x86 AVX2/F16C loops of the native rotary kernel (see rotary.c). */
+/* ropekit: the x86 AVX2/F16C loops of the CPU rotary kernel (see rotary_rows.h). */
 #ifndef ROPEKIT_ROTARY_AVX2_H
 #define ROPEKIT_ROTARY_AVX2_H
 
-/* ---- x86 AVX2 + F16C inner loops, included by rotary.c ----
+/* ---- x86 AVX2 + F16C inner loops, included by rotary_rows.h ----
  *
- * Each is the rotation of rotary.c's portable loops for some pairs of `nr` rows (row r of x at
+ * Each is the rotation of the portable loops for some pairs of `nr` rows (row r of x at
  * x + r * xs, of out at out + r * os) that share one table row: the table vectors are loaded
  * once for all of them.
  *

@@ -1,20 +1,19 @@
 /*
- * ropekit native CPU rotary kernel: C99, no dependency beyond libc (and <immintrin.h> on x86).
+ * ropekit CPU rotary kernel: the row loops (C-style, compiled as C++ by rotary_cpu.cpp).
  *
- * Compiled at first use by ropekit/backends/cpu_native.py and called through ctypes.
  * For every "row" (one head vector of head_dim channels) and every rotary pair (x1, x2):
  *
  *     y1 = x1 * c - x2 * s
  *     y2 = x2 * c + x1 * s          (conjugate: s -> -s, i.e. rotation by -theta)
  *
  * computed in float (double for double input) and rounded once to the element type: exactly
- * the expression of the torch eager backend. Built without FMA contraction (-ffp-contract=off
- * -fno-tree-slp-vectorize, see cpu_native.py), so results are bit-identical to eager for every
- * dtype (bf16/fp16: same float32 value, same round-to-nearest-even). Layouts: "half" pairs
- * (i, i + h), "interleaved" pairs (2i, 2i + 1), h = rotary_dim / 2. Channels [2h, head_dim)
+ * the expression of the eager torch backend. Built without FMA contraction (-ffp-contract=off
+ * -fno-tree-slp-vectorize, see ropekit/ops/cpu_build.py), so results are bit-identical to eager
+ * for every dtype (bf16/fp16: same float32 value, same round-to-nearest-even). Layouts: "half"
+ * pairs (i, i + h), "interleaved" pairs (2i, 2i + 1), h = rotary_dim / 2. Channels [2h, head_dim)
  * are copied when out of place (flag COPY_TAIL) and left alone in place.
  *
- * One exported function per element type, all with the same signature:
+ * One function per element type, all with the same signature:
  *
  *   int ropekit_rotate_<t>(void *x, void *out, const void *cos, const void *sin,
  *                          const int64_t *params, int64_t row_begin, int64_t row_end);
@@ -31,27 +30,16 @@
  *   Returns 0, or -1 when params are out of range (nothing is written then). The caller
  *   guarantees that every row it describes lies inside its tensors: there are no bounds checks.
  *
- *   int ropekit_rotate_team_<t>(void *x, void *out, const void *cos, const void *sin,
- *                               const int64_t *params, void *y, void *yout,
- *                               const void *ycos, const void *ysin, const int64_t *yparams,
- *                               int64_t threads);
- *
- *   rotates every row of x and every row of y (q and k; y may be NULL) in one call, so a
- *   decode step pays the cost of crossing from Python once. The rows of x and y, taken
- *   together, are split evenly over `threads` threads of an OpenMP team: the team of the
- *   OpenMP runtime that torch itself runs on, whose entry points the caller passes once to
- *
- *   void ropekit_set_openmp(void *gomp_parallel, void *omp_get_thread_num,
- *                           void *omp_get_num_threads);
- *
- *   (libgomp's ABI: GOMP_parallel(fn, data, num_threads, flags)). Sharing torch's team means
- *   no second pool of threads competing with torch's for the cores, and the wake-up cost of
- *   torch's own parallel ops. Without it, or with threads <= 1, the rows run on the caller.
- *
  * Loops are plain C written for gcc/clang -O3 auto-vectorisation (contiguous runs x[i], x[i+h]
- * for "half", stride-2 pairs for "interleaved"), except the bf16/fp16 inner loops on x86, which
- * use AVX2/F16C intrinsics when the compiler targets them (see below).
+ * for "half", stride-2 pairs for "interleaved"), except the bf16/fp16/f32 inner loops on x86,
+ * which use AVX2/F16C intrinsics when the compiler targets them (rotary_avx2.h).
  */
+#ifndef ROPEKIT_ROTARY_ROWS_H
+#define ROPEKIT_ROTARY_ROWS_H
+
+/* C99's restrict, spelled the way C++ compilers accept it */
+#define restrict __restrict__
+
 #include <stdint.h>
 #include <string.h>
 
@@ -324,7 +312,7 @@ static void rows_carry(rows_t *r) {
 
 #define ROPEKIT_ENTRY(NAME, T, CT)                                                            \
 ROPEKIT_ROW_KERNELS(NAME, T, CT)                                                              \
-int ropekit_rotate_##NAME(void *x, void *out, const void *cos, const void *sin,               \
+static int ropekit_rotate_##NAME(void *x, void *out, const void *cos, const void *sin,        \
                           const int64_t *params, int64_t row_begin, int64_t row_end) {        \
     rows_t r;                                                                                 \
     if (rows_init(&r, params, row_begin, row_end)) return -1;                                 \
@@ -381,80 +369,6 @@ ROPEKIT_ENTRY(f64, double, double)
 ROPEKIT_ENTRY(bf16, uint16_t, float)
 ROPEKIT_ENTRY(f16, uint16_t, float)
 
-/* ---- q and k in one call, rows split over torch's OpenMP team ---- */
+#undef restrict
 
-static int64_t rows_of(const int64_t *params) {
-    int64_t rows = 1;
-    for (int64_t d = 0; d < params[0] && d < ROPEKIT_MAX_DIMS; d++) rows *= params[8 + d];
-    return rows;
-}
-
-typedef void (*ropekit_gomp_parallel_t)(void (*)(void *), void *, unsigned, unsigned);
-typedef int (*ropekit_omp_int_t)(void);
-typedef int (*ropekit_rotate_t)(void *, void *, const void *, const void *, const int64_t *, int64_t, int64_t);
-
-static ropekit_gomp_parallel_t gomp_parallel;
-static ropekit_omp_int_t omp_thread_num, omp_num_threads;
-
-void ropekit_set_openmp(void *parallel, void *thread_num, void *num_threads) {
-    /* converting object pointers to function pointers: what dlsym users do (POSIX allows it) */
-    memcpy(&gomp_parallel, &parallel, sizeof parallel);
-    memcpy(&omp_thread_num, &thread_num, sizeof thread_num);
-    memcpy(&omp_num_threads, &num_threads, sizeof num_threads);
-}
-
-typedef struct {
-    ropekit_rotate_t fn;
-    int jobs;
-    void *x[2], *out[2];
-    const void *cos[2], *sin[2];
-    const int64_t *params[2];
-    int64_t rows[2];
-    int status;
-} team_work_t;
-
-/* Rows [begin, end) of the concatenation x rows ++ y rows. */
-static void team_rows(team_work_t *w, int64_t begin, int64_t end) {
-    int64_t base = 0;
-    for (int j = 0; j < w->jobs; base += w->rows[j], j++) {
-        const int64_t b = begin > base ? begin - base : 0;
-        const int64_t e = end - base < w->rows[j] ? end - base : w->rows[j];
-        if (b < e) {
-            const int status = w->fn(w->x[j], w->out[j], w->cos[j], w->sin[j], w->params[j], b, e);
-            if (status) __atomic_store_n(&w->status, status, __ATOMIC_RELAXED);
-        }
-    }
-}
-
-static void team_worker(void *arg) {
-    team_work_t *w = (team_work_t *)arg;
-    const int64_t t = omp_thread_num(), n = omp_num_threads();
-    const int64_t total = w->rows[0] + (w->jobs > 1 ? w->rows[1] : 0);
-    team_rows(w, total * t / n, total * (t + 1) / n);
-}
-
-#define ROPEKIT_TEAM_ENTRY(NAME)                                                              \
-int ropekit_rotate_team_##NAME(void *x, void *out, const void *cos, const void *sin,          \
-                               const int64_t *params, void *y, void *yout, const void *ycos,  \
-                               const void *ysin, const int64_t *yparams, int64_t threads) {   \
-    team_work_t w;                                                                            \
-    memset(&w, 0, sizeof w);                                                                  \
-    w.fn = ropekit_rotate_##NAME;                                                             \
-    w.jobs = y != NULL ? 2 : 1;                                                               \
-    w.x[0] = x; w.out[0] = out; w.cos[0] = cos; w.sin[0] = sin; w.params[0] = params;         \
-    w.x[1] = y; w.out[1] = yout; w.cos[1] = ycos; w.sin[1] = ysin; w.params[1] = yparams;     \
-    for (int j = 0; j < w.jobs; j++) {                                                        \
-        if (w.params[j][0] < 0 || w.params[j][0] > ROPEKIT_MAX_DIMS) return -1;               \
-        w.rows[j] = rows_of(w.params[j]);                                                     \
-    }                                                                                         \
-    const int64_t total = w.rows[0] + w.rows[1];                                              \
-    if (threads > total) threads = total;                                                     \
-    if (threads <= 1 || gomp_parallel == NULL) team_rows(&w, 0, total);  /* on the caller */   \
-    else gomp_parallel(team_worker, &w, (unsigned)threads, 0);                                \
-    return w.status;                                                                          \
-}
-
-ROPEKIT_TEAM_ENTRY(f32)
-ROPEKIT_TEAM_ENTRY(f64)
-ROPEKIT_TEAM_ENTRY(bf16)
-ROPEKIT_TEAM_ENTRY(f16)
+#endif /* ROPEKIT_ROTARY_ROWS_H */

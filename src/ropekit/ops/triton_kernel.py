@@ -1,4 +1,4 @@
-"""The fused rotary kernel in Triton, and the launcher that feeds it strides.
+"""The fused rotary kernel in Triton, and the launchers that feed it strides.
 
 One kernel does every variant; each is a flag of the same code path:
 
@@ -22,7 +22,7 @@ programs (no 65535 limit on any axis); heads vary fastest so that the programs
 sharing cos/sin rows run together. Each program rotates a ``BLOCK_S x BLOCK_R`` tile
 of pairs of one head, in float32, and stores in the output dtype.
 
-Validation lives in :mod:`ropekit.backends.triton_api`; :func:`launch` trusts its
+Validation lives in :mod:`ropekit.functional` and :mod:`ropekit.ops.positions`; :func:`launch` trusts its
 arguments. Importing this module never fails: without Triton, :func:`is_available`
 is False and nothing here may be launched.
 """
@@ -34,6 +34,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from .positions import qk_axes
 
 try:
     import triton
@@ -253,29 +255,6 @@ def launch(
 
 
 # -- canonical views ---------------------------------------------------------------------------
-def qk_axes(ndim: int, seq_dim: int) -> tuple[int | None, int, int | None]:
-    """``(batch_axis, seq_axis, head_axis)`` of a q/k of ``ndim`` dims (None: absent axis).
-
-    The channel axis is last and ``seq_dim`` names the sequence axis; of the other axes
-    the later is the head axis and the earlier the batch axis. A lone other axis is the
-    batch axis before the sequence axis (``(batch, seq, d)``) and the head axis after it
-    (packed ``(tokens, heads, d)``).
-    """
-    if not 2 <= ndim <= 4:
-        raise ValueError(f"q and k must have 2 to 4 dimensions (..., seq, ..., head_dim), got {ndim}")
-    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or not -ndim <= seq_dim < ndim or (
-        seq_dim % ndim == ndim - 1
-    ):
-        raise ValueError(f"seq_dim must name an axis of q/k other than the last, got {seq_dim!r} for {ndim}-D q/k")
-    seq = seq_dim % ndim
-    others = [axis for axis in range(ndim - 1) if axis != seq]
-    if len(others) == 2:
-        return others[0], seq, others[1]
-    if len(others) == 1:
-        return (others[0], seq, None) if others[0] < seq else (None, seq, others[0])
-    return None, seq, None
-
-
 def _view4(t: torch.Tensor, axes: tuple[int | None, int, int | None]) -> View4:
     batch, seq, head = axes
     strides = (0 if batch is None else t.stride(batch), t.stride(seq), 0 if head is None else t.stride(head))
@@ -330,14 +309,14 @@ def launch_rotate(
 
 
 def launch_rotate_qk(
-    q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tensor, k_out: torch.Tensor | None,
     cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None, offsets: torch.Tensor | None,
     offset: int, cu_seqlens: torch.Tensor | None, max_seqlen: int | None,
     *, seq_dim: int, layout: str, conjugate: bool, inplace: bool,
 ) -> None:
-    """Rotate q and k in one launch, cos/sin rows gathered from the full tables by position."""
+    """Rotate q and k (or q alone: ``k=None``) in one launch, rows gathered from the full tables by position."""
     batch_axis, seq_axis, head_axis = axes = qk_axes(q.dim(), seq_dim)
-    heads = tuple(1 if head_axis is None else t.shape[head_axis] for t in (q, k))
+    heads = tuple(0 if t is None else 1 if head_axis is None else t.shape[head_axis] for t in (q, k))
     if cu_seqlens is not None:
         batch, seqlen = cu_seqlens.numel() - 1, max_seqlen
     else:
@@ -348,9 +327,10 @@ def launch_rotate_qk(
         pos_strides = (positions.stride(0) if batched else 0, positions.stride(-1))
     if offsets is not None:
         offsets = offsets.expand(batch).contiguous()
-    tensors = [q, k, q_out, k_out, cos, sin] + ([] if positions is None else [positions])
+    tensors = [t for t in (q, k, q_out, k_out, cos, sin, positions) if t is not None]
     launch(
-        _view4(q, axes), _view4(q_out, axes), _view4(k, axes), _view4(k_out, axes), heads,
+        _view4(q, axes), _view4(q_out, axes), None if k is None else _view4(k, axes),
+        None if k_out is None else _view4(k_out, axes), heads,
         cos, sin, (0, cos.stride(0), 0, cos.stride(1)), (0, sin.stride(0), 0, sin.stride(1)),
         batch=batch, seqlen=seqlen, rotary_dim=2 * cos.shape[1], head_dim=q.shape[-1], layout=layout,
         conjugate=conjugate, gather=True, positions=positions, positions_strides=pos_strides,

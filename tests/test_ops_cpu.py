@@ -1,14 +1,15 @@
-"""The native CPU backend (``csrc/rotary.c`` through ctypes) against the float64 reference and eager.
+"""The C++ CPU backend (``ops/csrc/rotary_cpu.cpp``) against the float64 reference and eager.
 
 The kernel computes exactly the eager backend's expression (float32, or float64 for float64
 inputs; no FMA; one rounding to the output dtype), so it is checked bit for bit against
-``torch_eager.rotate`` and, independently, within one ulp of the output dtype (relative to the
+``eager.rotate`` and, independently, within one ulp of the output dtype (relative to the
 largest output) against the float64 rotation matrices of ``ropekit.apply_reference``.
 """
 
-import array
 import contextlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,41 +17,40 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ropekit
-from ropekit.backends import cpu_library, cpu_native, torch_eager
+from ropekit import ops
+from ropekit.ops import build
+from ropekit.ops import eager as torch_eager
+from ropekit.ops.cpu import CppBackend
 
 torch.set_num_threads(1)
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.is_available(), reason="native CPU backend unavailable (no C compiler or unsupported machine)"
-)
+pytestmark = pytest.mark.skipif("cpu" not in ops.available(), reason="C++ CPU kernel unavailable (no compiler)")
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 LAYOUTS = ["half", "interleaved"]
+KERNEL = {"backend": ops.get("cpu") if "cpu" in ops.available() else None}
 
 
 @contextlib.contextmanager
-def module_setting(name, value):
-    """Temporarily change a module constant of cpu_native (hypothesis and fixtures do not mix)."""
-    old = getattr(cpu_native, name)
-    setattr(cpu_native, name, value)
+def thresholds(plan_bytes=-1, parallel_bytes=-1):
+    """Temporarily lower the kernel's byte thresholds (memory-order visit, thread split); -1 keeps one."""
+    kernel_ops = KERNEL["backend"].operators()
+    old = kernel_ops.set_thresholds(plan_bytes, parallel_bytes)
     try:
         yield
     finally:
-        setattr(cpu_native, name, old)
+        kernel_ops.set_thresholds(*old)
 
 
 @contextlib.contextmanager
-def library(loaded):
-    """Temporarily run another build of the kernel (the result of ``cpu_library.open_library``)."""
-    keys = ("functions", "teams", "openmp")
-    saved = {key: cpu_native._state[key] for key in keys}
-    cpu_native._state.update(zip(keys, loaded, strict=True))
-    cpu_native._pair_prepared.clear()
+def library(backend):
+    """Temporarily run another build of the kernel (a CppBackend of another namespace)."""
+    saved = KERNEL["backend"]
+    KERNEL["backend"] = backend
     try:
         yield
     finally:
-        cpu_native._state.update(saved)
-        cpu_native._pair_prepared.clear()
+        KERNEL["backend"] = saved
 
 
 @contextlib.contextmanager
@@ -69,10 +69,11 @@ def assert_same(actual, expected):
     torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
 
 
-def native(x, cos, sin, **kwargs):
-    """cpu_native.rotate, asserting that the inputs take the native path (not the eager fallback)."""
-    assert cpu_native.supports(x, kwargs.get("inplace", False)) and cpu_native._table_strides(x, cos, sin)
-    return cpu_native.rotate(x, cos, sin, **kwargs)
+def native(x, cos, sin, *, layout, conjugate=False, inplace=False):
+    """The C++ backend's rotate, asserting that the inputs are for the kernel (not the eager fallback)."""
+    backend = KERNEL["backend"]
+    assert backend.takes(x)
+    return backend.rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
 
 
 def bits(t):
@@ -157,7 +158,7 @@ def test_matches_eager_and_reference(case):
 
     expected = torch_eager.rotate(x, cos, sin, **kwargs)
     before = x.clone()
-    with module_setting("PLAN_MIN_BYTES", 0 if case["plan"] else cpu_native.PLAN_MIN_BYTES):
+    with thresholds(plan_bytes=0 if case["plan"] else 1 << 20):
         y = native(x, cos, sin, inplace=case["inplace"], **kwargs)
     if case["inplace"]:
         assert y is x
@@ -192,10 +193,9 @@ def test_threaded_split_equals_single_call(dtype, layout, inplace):
     cos, sin = cos[None, :, None], sin[None, :, None]
     x = x.transpose(1, 2)  # (3, 37, 5, 40) view, table broadcast over the heads
     single = native(x.clone(), cos, sin, layout=layout, inplace=inplace)
-    with torch_threads(3), module_setting("PLAN_MIN_BYTES", 0), module_setting("PARALLEL_MIN_BYTES", 0):
+    with torch_threads(3), thresholds(plan_bytes=0, parallel_bytes=0):
         threaded = native(x.clone(), cos, sin, layout=layout, inplace=inplace)
     assert torch.equal(bits(threaded), bits(single))
-    assert cpu_native._pool is not None
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -208,7 +208,7 @@ def test_large_tensors_take_the_planned_threaded_path(layout):
         x = base.to(dtype)
         cos, sin = tables(torch.arange(512), inv_freq, dtype)
         cos, sin = cos[None, None], sin[None, None]
-        assert x.numel() * x.element_size() >= max(cpu_native.PLAN_MIN_BYTES, cpu_native.PARALLEL_MIN_BYTES)
+        assert x.numel() * x.element_size() >= 1 << 20  # the default thresholds: 1 MiB and 128 KiB
         expected = torch_eager.rotate(x, cos, sin, layout=layout)
         with torch_threads(2):
             assert_same(native(x, cos, sin, layout=layout), expected)
@@ -243,11 +243,14 @@ def test_every_16_bit_value_converts_like_torch(dtype, layout):
 
 @pytest.fixture(scope="module")
 def portable_functions(tmp_path_factory):
-    """The library built without the AVX2/F16C paths (what non-x86 machines run)."""
+    """The library built without the AVX2/F16C paths (what non-x86 machines run), in its own cache."""
+    cache = tmp_path_factory.mktemp("ropekit-cache")
     old = os.environ.get("ROPEKIT_CACHE_DIR")
-    os.environ["ROPEKIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("ropekit-cache"))
+    os.environ["ROPEKIT_CACHE_DIR"] = str(cache)
     try:
-        return cpu_library.open_library(("-DROPEKIT_PORTABLE",))
+        backend = CppBackend(namespace="ropekit_cpu_portable", extra_flags=("-DROPEKIT_PORTABLE",))
+        assert backend.is_available(), backend.error
+        return backend
     finally:
         if old is None:
             del os.environ["ROPEKIT_CACHE_DIR"]
@@ -276,21 +279,36 @@ def test_portable_build_matches_eager(portable_functions, dtype, layout):
                         torch_eager.rotate(values, cos, sin, layout=layout))
 
 
-def test_unsupported_inputs_fall_back_to_eager():
+def test_strided_overlapping_and_unsupported_inputs():
     gen = torch.Generator().manual_seed(6)
     cos, sin = ropekit.cos_sin(torch.arange(4), ropekit.inv_frequencies(8)[0])
     cos, sin = cos[None], sin[None]
-    strided = torch.randn(2, 4, 32, generator=gen)[..., ::2]  # last-dim stride 2
-    assert not cpu_native.supports(strided)
+    strided = torch.randn(2, 4, 32, generator=gen)[..., ::2]  # channel stride 2: rotated through a copy
     expected = torch_eager.rotate(strided, cos, sin, layout="half")
-    assert_same(cpu_native.rotate(strided, cos, sin, layout="half"), expected)
-    expanded = torch.randn(1, 4, 16, generator=gen).expand(3, 4, 16)  # rows alias each other
-    assert cpu_native.supports(expanded) and not cpu_native.supports(expanded, inplace=True)
+    assert_same(native(strided, cos, sin, layout="half"), expected)
+    base = torch.zeros(2, 4, 32)
+    view = base[..., ::2]
+    view.copy_(strided)
+    assert native(view, cos, sin, layout="half", inplace=True) is view
+    assert_same(view, expected)
+    assert torch.equal(base[..., 1::2], torch.zeros(2, 4, 16))  # the elements between untouched
+    expanded = torch.randn(1, 4, 16, generator=gen).expand(3, 4, 16)  # rows alias each other: read-only is fine
     assert_same(native(expanded, cos, sin, layout="half"), torch_eager.rotate(expanded, cos, sin, layout="half"))
-    assert_same(cpu_native.rotate(expanded.clone(), cos[0], sin[0], layout="half"),  # tables with fewer dims
+    assert_same(native(expanded.clone(), cos[0], sin[0], layout="half"),  # tables with fewer dims
                 torch_eager.rotate(expanded, cos[0], sin[0], layout="half"))
+    with pytest.raises(ValueError, match="share memory"):  # in place they would be rotated several times
+        ropekit.apply_rotary(expanded, cos, sin, inplace=True, backend="cpu")
     ints = torch.ones(4, 16, dtype=torch.int32)
-    assert not cpu_native.supports(ints)
+    assert not KERNEL["backend"].takes(ints)
+
+
+def test_more_leading_axes_than_the_kernel_walks():
+    """Nine leading axes that do not merge: split along the first, same bits as eager."""
+    gen = torch.Generator().manual_seed(16)
+    x = torch.randn([2] * 9 + [3, 8], generator=gen)[..., :2, :].transpose(0, 9)  # axes that cannot merge
+    cos, sin = ropekit.cos_sin(torch.randint(0, 99, [2] * 9 + [2], generator=gen), ropekit.inv_frequencies(8)[0])
+    cos, sin = cos.transpose(0, 9), sin.transpose(0, 9)
+    assert_same(native(x, cos, sin, layout="interleaved"), torch_eager.rotate(x, cos, sin, layout="interleaved"))
 
 
 def test_tables_are_converted_and_empty_inputs_work():
@@ -308,37 +326,44 @@ def test_tables_are_converted_and_empty_inputs_work():
                 torch_eager.rotate(one, cos[0, 0], sin[0, 0], layout="half"))
 
 
-def test_repeated_calls_reuse_parameters_not_data():
+def test_repeated_calls_reuse_checks_not_data(monkeypatch):
+    """A decode loop: the checks of a signature are kept (functional._prepared), never the data."""
+    from ropekit import functional
+
     gen = torch.Generator().manual_seed(8)
     inv_freq = ropekit.inv_frequencies(32)[0]
-    cpu_native._prepared.clear()
-    for _ in range(3):  # a decode loop: same shapes, new tokens and positions
+    monkeypatch.setattr(functional, "_prepared", {})
+    for step in range(3):  # same shapes, new tokens and positions
         x = torch.randn(4, 6, 1, 40, generator=gen)
         cos, sin = ropekit.cos_sin(torch.randint(0, 100, (4,), generator=gen), inv_freq)
         cos, sin = cos[:, None, None], sin[:, None, None]
-        assert_same(native(x, cos, sin, layout="half"), torch_eager.rotate(x, cos, sin, layout="half"))
-        assert len(cpu_native._prepared) == 1
-        converted = (cos.double(), sin.double())  # converted tables are not kept
-        assert_same(native(x, *converted, layout="half"), torch_eager.rotate(x, *converted, layout="half"))
-        assert len(cpu_native._prepared) == 1
+        assert_same(ropekit.apply_rotary(x, cos, sin, backend="cpu"), torch_eager.rotate(x, cos, sin, layout="half"))
+        assert len(functional._prepared) == (1 if step == 0 else 2)
+        converted = (cos.double(), sin.double())
+        assert_same(ropekit.apply_rotary(x, *converted, backend="cpu"),
+                    torch_eager.rotate(x, *converted, layout="half"))
+        assert len(functional._prepared) == 2
 
 
-def test_kernel_rejects_bad_params():
-    fn = cpu_native._load()[torch.float32]
-    x = torch.zeros(4, 8)
-    c = torch.zeros(4, 4)
-    ok = [1, 4, 8, 0, 1, 1, 1, 1, 4, 8, 8, 4, 4]
-
-    def call(params, begin=0, end=4):
-        buf = array.array("q", params)
-        return fn(x.data_ptr(), x.data_ptr(), c.data_ptr(), c.data_ptr(), buf.buffer_info()[0], begin, end)
-
-    assert call(ok) == 0
-    assert call([9] + ok[1:]) == -1  # too many leading dims
-    assert call(ok[:4] + [2] + ok[5:]) == -1  # last-dim stride of x not 1
-    assert call([1, 5, 8] + ok[3:]) == -1  # rotary_dim > head_dim
-    assert call(ok, 0, 5) == -1  # rows out of range
-    assert call(ok, 3, 2) == -1
+def test_kernel_rejects_bad_arguments():
+    """The operators check what their memory accesses rely on (ropekit.functional checks first)."""
+    kernel_ops = KERNEL["backend"].operators()
+    x, c = torch.zeros(4, 8), torch.zeros(4, 4)
+    before = x.clone()
+    bad = [
+        ((x, torch.zeros(4, 5), torch.zeros(4, 5)), "rotary_dim"),  # rotary_dim > head_dim
+        ((x, torch.zeros(3, 4), torch.zeros(3, 4)), "broadcast"),  # 3 rows against 4
+        ((x, torch.zeros(1, 4, 4), torch.zeros(1, 4, 4)), "do not fit"),  # more dims than x
+        ((x, c, torch.zeros(4, 2)), "do not fit"),  # cos and sin differ
+        ((x.int(), c, c), "float32"),
+    ]
+    for args, message in bad:
+        with pytest.raises((RuntimeError, TypeError, ValueError), match=message):
+            kernel_ops.rotate(*args, False, False)
+        with pytest.raises((RuntimeError, TypeError, ValueError), match=message):
+            kernel_ops.rotate_pair_(args[0], x.clone(), *args[1:], False, False)
+    assert torch.equal(x, before)
+    assert kernel_ops.rotate(x, c, c, False, False).shape == x.shape
 
 
 def offsets(sizes, strides):
@@ -360,38 +385,45 @@ def test_plan_visits_every_row_once(sizes, data):
     x_strides = [contiguous[i] for i in order]  # a permuted (transposed) view
     table = [data.draw(st.sampled_from([0, 32 * (d + 1)])) for d in range(len(sizes))]
     strides = [x_strides, contiguous, table, table]
-    new_sizes, new_strides = cpu_native._plan(list(sizes), [list(s) for s in strides], 4)
-    assert len(new_sizes) <= cpu_native.MAX_LEADING_DIMS
+    plan = KERNEL["backend"].operators().plan_rows(sizes, *strides)
+    n = plan[0]
+    new_sizes = plan[1:1 + n]
+    new_strides = [plan[1 + n * (k + 1):1 + n * (k + 2)] for k in range(4)]
+    assert n <= 8
     assert sorted(offsets(new_sizes, new_strides)) == sorted(offsets(sizes, strides))
 
 
 def test_unavailable_backend_warns_once_and_raises(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_native, "_state", {})
     monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("ROPEKIT_CC", "false")  # a "compiler" that always fails
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    backend = CppBackend(namespace="ropekit_cpu_never")
     with pytest.warns(RuntimeWarning, match="unavailable"):
-        assert not cpu_native.is_available()
-    assert not cpu_native.is_available()  # no second warning (pytest's filter would raise here)
+        assert not backend.is_available()
+    assert not backend.is_available()  # no second warning (pytest's filter would raise here)
     with pytest.raises(RuntimeError, match="unavailable"):
-        cpu_native.rotate(torch.zeros(2, 4), torch.ones(1, 2), torch.zeros(1, 2), layout="half")
-    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+        backend.rotate(torch.zeros(2, 4), torch.ones(1, 2), torch.zeros(1, 2), layout="half", conjugate=False,
+                       inplace=False)
+    assert list(tmp_path.iterdir()) == []  # no half-written library (nor build directory) left behind
 
 
 def test_disabled_by_environment(monkeypatch):
-    monkeypatch.setattr(cpu_native, "_state", {})
     monkeypatch.setenv("ROPEKIT_DISABLE_NATIVE", "1")
+    backend = CppBackend(namespace="ropekit_cpu_disabled")
     with pytest.warns(RuntimeWarning, match="ROPEKIT_DISABLE_NATIVE"):
-        assert not cpu_native.is_available()
+        assert not backend.is_available()
 
 
-def test_library_is_cached(monkeypatch, tmp_path):
-    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path))
-    compiler = cpu_library._compiler()
-    first = cpu_library._build(compiler, ("-DROPEKIT_PORTABLE",))
-    stamp = first.stat().st_mtime_ns
-    assert cpu_library._build(compiler, ("-DROPEKIT_PORTABLE",)) == first
-    assert first.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]
+def test_library_is_cached(portable_functions, monkeypatch):
+    """A second load finds the build in the cache: same file, not rebuilt, nothing else written."""
+    directory = portable_functions.build.directory
+    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(directory.parent))
+    stamp = portable_functions.build.library.stat().st_mtime_ns
+    monkeypatch.setattr(build, "build_in_child", lambda *args: pytest.fail("rebuilt a cached library"))
+    again = build.load(("-DROPEKIT_PORTABLE",), "ropekit_cpu_portable", quiet=True)
+    assert again == portable_functions.build
+    assert again.library.stat().st_mtime_ns == stamp
+    assert [p.name for p in directory.parent.iterdir()] == [directory.name]
+    assert [p.name for p in directory.iterdir()] == [again.library.name]
 
 
 # -- rows sharing a table row (heads at decode) and q/k in one call ---------------------------------------
@@ -447,16 +479,15 @@ def test_rotate_pair_equals_two_rotates(dtype, layout, inplace):
         for conjugate in (False, True):
             expected = [torch_eager.rotate(t, cos, sin, layout=layout, conjugate=conjugate) for t in (q, k)]
             q_in, k_in = q.clone(), k.clone()
-            cpu_native._pair_prepared.clear()
-            q_out, k_out = cpu_native.rotate_pair(q_in, k_in, cos, sin, cos, sin, layout=layout,
-                                                  conjugate=conjugate, inplace=inplace)
-            assert cpu_native._pair_prepared and all(plan is not None for plan in cpu_native._pair_prepared.values())
+            q_out, k_out = KERNEL["backend"].rotate_pair(q_in, k_in, cos, sin, layout=layout, conjugate=conjugate,
+                                                         inplace=inplace)
             assert (q_out is q_in and k_out is k_in) == inplace
             assert_same(q_out, expected[0])
             assert_same(k_out, expected[1])
 
 
-def test_rotate_pair_falls_back_to_two_calls():
+def test_rotate_pair_of_mixed_inputs():
+    """q and k that differ in dtype, emptiness or channel stride: still one call, each its own rows."""
     gen = torch.Generator().manual_seed(14)
     cos, sin = ropekit.cos_sin(torch.arange(300), ropekit.inv_frequencies(64)[0])
     cases = {
@@ -465,65 +496,25 @@ def test_rotate_pair_falls_back_to_two_calls():
         "empty k": (torch.randn(2, 4, 300, 64, generator=gen), torch.randn(2, 0, 300, 64, generator=gen)),
         "strided channels": (torch.randn(1, 2, 300, 128, generator=gen)[..., ::2],
                              torch.randn(1, 2, 300, 64, generator=gen)),
+        "large, two threads": (torch.randn(1, 8, 300, 64, generator=gen), torch.randn(1, 8, 300, 64, generator=gen)),
     }
     for name, (q, k) in cases.items():
-        cpu_native._pair_prepared.clear()
-        q_out, k_out = cpu_native.rotate_pair(q, k, cos, sin, cos, sin, layout="half")
-        assert list(cpu_native._pair_prepared.values()) == [None], name
-        assert_same(q_out, torch_eager.rotate(q, cos, sin, layout="half"))
-        assert_same(k_out, torch_eager.rotate(k, cos, sin, layout="half"))
-    large = torch.randn(1, 8, 300, 64, generator=gen), torch.randn(1, 8, 300, 64, generator=gen)
-    with module_setting("_state", {**cpu_native._state, "openmp": False}):  # no OpenMP team: the Python pool
-        cpu_native._pair_prepared.clear()
-        q_out, k_out = cpu_native.rotate_pair(*large, cos, sin, cos, sin, layout="half")
-        assert list(cpu_native._pair_prepared.values()) == [None]
-        assert_same(k_out, torch_eager.rotate(large[1], cos, sin, layout="half"))
-    converted = (cos.double(), sin.double())  # tables that would need converting
+        with torch_threads(2):
+            q_out, k_out = KERNEL["backend"].rotate_pair(q, k, cos, sin, layout="half", conjugate=False,
+                                                         inplace=False)
+        assert_same(q_out, torch_eager.rotate(q, cos[None, None], sin[None, None], layout="half")), name
+        assert_same(k_out, torch_eager.rotate(k, cos[None, None], sin[None, None], layout="half")), name
+    converted = (cos.double(), sin.double())  # tables that need converting
     q, k = torch.randn(2, 3, 300, 64, generator=gen), torch.randn(2, 3, 300, 64, generator=gen)
-    cpu_native._pair_prepared.clear()
-    assert_same(cpu_native.rotate_pair(q, k, *converted, *converted, layout="half")[1],
-                torch_eager.rotate(k, *converted, layout="half"))
-    assert list(cpu_native._pair_prepared.values()) == [None]
-
-
-def test_team_kernel_reports_bad_params():
-    cpu_native._load()
-    team = cpu_native._state["teams"][torch.float32]
-    x, c = torch.zeros(4, 8), torch.zeros(4, 4)
-    ok = array.array("q", [1, 4, 8, 0, 1, 1, 1, 1, 4, 8, 8, 4, 4])
-    bad = array.array("q", [1, 5, 8, 0, 1, 1, 1, 1, 4, 8, 8, 4, 4])  # rotary_dim > head_dim
-    ptrs = (x.data_ptr(), x.data_ptr(), c.data_ptr(), c.data_ptr())
-    none = (None,) * 5
-    for threads in (1, 2, 3):
-        assert team(*ptrs, ok.buffer_info()[0], *ptrs, ok.buffer_info()[0], threads) == 0
-        assert team(*ptrs, ok.buffer_info()[0], *none, threads) == 0
-        assert team(*ptrs, ok.buffer_info()[0], *ptrs, bad.buffer_info()[0], threads) == -1
-        assert team(*ptrs, bad.buffer_info()[0], *ptrs, ok.buffer_info()[0], threads) == -1
-        assert team(*ptrs, bad.buffer_info()[0], *none, threads) == -1
-
-
-# -- torch's OpenMP team ----------------------------------------------------------------------------
-def test_openmp_team_is_torchs_own():
-    """On a torch built with OpenMP (the Linux wheels), the kernel finds torch's runtime."""
-    cpu_native._load()
-    expected = ("parallel backend: OpenMP" in torch.__config__.parallel_info() and os.path.exists("/proc/self/maps"))
-    assert cpu_native._state["openmp"] == expected
-    if expected:
-        maps = open("/proc/self/maps", encoding="utf-8").read()
-        assert sum(os.path.basename(line.split()[-1]).startswith(("libgomp", "libomp", "libiomp5"))
-                   for line in {ln for ln in maps.splitlines() if "/" in ln}) >= 1
-
-
-def test_openmp_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv("ROPEKIT_NATIVE_OPENMP", "0")
-    assert cpu_library.openmp_entry_points() is None
+    assert_same(KERNEL["backend"].rotate_pair(q, k, *converted, layout="half", conjugate=False, inplace=False)[1],
+                torch_eager.rotate(k, converted[0][None, None], converted[1][None, None], layout="half"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("inplace", [False, True])
-def test_team_split_equals_one_thread(dtype, layout, inplace):
-    """Rows of q and k split over 1-3 threads: the same bits as one thread, every split point."""
+def test_thread_split_equals_one_thread(dtype, layout, inplace):
+    """Rows of q and k split over 1-3 of torch's threads: the same bits as one thread, every split point."""
     gen = torch.Generator().manual_seed(15)
     for q_heads, k_heads, seq in [(5, 3, 1), (7, 1, 3), (4, 4, 2)]:  # odd row counts: uneven splits
         q = (torch.randn(3, q_heads, seq, 40, generator=gen) * 4).to(dtype)
@@ -531,9 +522,9 @@ def test_team_split_equals_one_thread(dtype, layout, inplace):
         cos, sin = tables(torch.randint(0, 500, (3, 1, seq), generator=gen), ropekit.inv_frequencies(24)[0], dtype)
         expected = [torch_eager.rotate(t, cos, sin, layout=layout) for t in (q, k)]
         for threads in (1, 2, 3):
-            with torch_threads(threads), module_setting("TEAM_MIN_BYTES", 0):
-                cpu_native._pair_prepared.clear()
-                got = cpu_native.rotate_pair(q.clone(), k.clone(), cos, sin, cos, sin, layout=layout, inplace=inplace)
+            with torch_threads(threads), thresholds(parallel_bytes=0):
+                got = KERNEL["backend"].rotate_pair(q.clone(), k.clone(), cos, sin, layout=layout, conjugate=False,
+                                                    inplace=inplace)
                 alone = native(q.clone(), cos, sin, layout=layout, inplace=inplace)
             assert_same(got[0], expected[0])
             assert_same(got[1], expected[1])
@@ -545,15 +536,27 @@ def test_cache_key_covers_the_included_header(monkeypatch, tmp_path):
     monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path / "cache"))
     sources = tmp_path / "csrc"
     sources.mkdir()
-    for path in (cpu_library.SOURCE, *cpu_library.HEADERS):
+    for path in (*build.SOURCES, *build.HEADERS):
         (sources / path.name).write_bytes(path.read_bytes())
-    monkeypatch.setattr(cpu_library, "SOURCE", sources / cpu_library.SOURCE.name)
-    monkeypatch.setattr(cpu_library, "HEADERS", tuple(sources / p.name for p in cpu_library.HEADERS))
-    compiler = cpu_library._compiler()
-    first = cpu_library._build(compiler, ("-DROPEKIT_PORTABLE",))
-    header = cpu_library.HEADERS[0]
+    monkeypatch.setattr(build, "SOURCES", tuple(sources / p.name for p in build.SOURCES))
+    monkeypatch.setattr(build, "HEADERS", tuple(sources / p.name for p in build.HEADERS))
+    cxx = build.compiler()
+    first = build.builds(cxx)
+    assert build.builds(cxx) == first  # the key is stable
+    header = build.HEADERS[-1]
     header.write_text(header.read_text() + "\n/* changed */\n")
-    assert cpu_library._build(compiler, ("-DROPEKIT_PORTABLE",)) != first
+    second = build.builds(cxx)
+    assert all(a.library != b.library for a, b in zip(first, second, strict=True))
+    assert {"-march=native" in b.flags for b in first} == {True, False}  # -march=native is part of the key
+    assert len({b.name for b in first}) == len(first)
+
+
+# -- the process around the kernel: fork, other OpenMP runtimes, no compiler ------------------------------
+def run_script(tmp_path, script, env=None, timeout=300):
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout,
+                          env=os.environ | (env or {}), check=False)
 
 
 FORK_SCRIPT = r"""
@@ -562,15 +565,15 @@ torch.set_num_threads(2)
 q, k = torch.randn(16, 32, 1, 128), torch.randn(16, 8, 1, 128)
 cos, sin = ropekit.cos_sin(torch.arange(16)[:, None, None] * 7, ropekit.inv_frequencies(128)[0])
 expected = ropekit.apply_rotary_qk(q, k, cos, sin, backend="torch")
-ropekit.apply_rotary_qk(q, k, cos, sin)  # the parent's OpenMP team is up
+ropekit.apply_rotary_qk(q, k, cos, sin)  # torch's thread pool is up
 big = torch.randn(8, 32, 64, 128)
 ropekit.apply_rotary(big, cos[:1, 0], sin[:1, 0])
 pid = os.fork()
 if pid == 0:
+    torch.set_num_threads(1)  # what torch's own parallel ops need after fork; the kernel uses the same pool
     got = ropekit.apply_rotary_qk(q, k, cos, sin)  # prepared in the parent (fast path)
     fresh = ropekit.apply_rotary_qk(q[:8], k[:8], cos[:8], sin[:8])  # prepared here
     alone = ropekit.apply_rotary(big, cos[:1, 0], sin[:1, 0])
-    torch.set_num_threads(1)  # torch's own ops would wait for the parent's threads too
     ok = all(torch.equal(a, b) for a, b in zip(got, expected)) and torch.equal(fresh[1], expected[1][:8])
     ok = ok and torch.equal(alone, ropekit.apply_rotary(big, cos[:1, 0], sin[:1, 0], backend="torch"))
     os._exit(0 if ok else 3)
@@ -580,14 +583,97 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_forked_child_runs_the_kernel_without_the_parents_threads(tmp_path):
-    """libgomp's team does not survive fork: a child must not wait for the parent's threads."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "fork.py"
-    script.write_text(FORK_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env,
-                          check=False)
+def test_forked_child_runs_the_kernel(tmp_path):
+    """After fork the kernel behaves like torch's own CPU ops (same thread pool)."""
+    done = run_script(tmp_path, FORK_SCRIPT, {"OMP_NUM_THREADS": "2"}, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+TWO_RUNTIMES_SCRIPT = r"""
+import ctypes, os, sys
+import torch, ropekit
+from ropekit.ops import eager
+extra = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # a second OpenMP runtime beside torch's
+assert extra.omp_get_max_threads() >= 1
+maps = open("/proc/self/maps").read()
+runtimes = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line or "iomp" in line or "libomp" in line}
+assert len({os.path.realpath(p) for p in runtimes}) >= 2, runtimes
+torch.set_num_threads(2)
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    q, k = torch.randn(2, 16, 512, 128, generator=gen).to(dtype), torch.randn(2, 4, 512, 128, generator=gen).to(dtype)
+    cos, sin = ropekit.cos_sin(torch.arange(512), ropekit.inv_frequencies(128)[0])
+    got = ropekit.apply_rotary_qk(q, k, cos, sin, backend="cpu")
+    for x, y in zip((q, k), got):
+        assert torch.equal(y, eager.rotate(x, cos[None, None], sin[None, None], layout="half"))
+print("ok")
+"""
+
+
+def test_two_openmp_runtimes_in_one_process(tmp_path):
+    """A second OpenMP runtime (the system's libgomp beside the one torch loaded) changes nothing."""
+    candidates = ["/usr/lib/x86_64-linux-gnu/libgomp.so.1", "/usr/lib/aarch64-linux-gnu/libgomp.so.1",
+                  "/usr/lib64/libgomp.so.1", "/usr/lib/libgomp.so.1"]
+    extra = next((path for path in candidates if os.path.exists(path)), None)
+    if extra is None:
+        pytest.skip("no system libgomp to load beside torch's")
+    done = run_script(tmp_path, TWO_RUNTIMES_SCRIPT.replace("sys.argv[1]", repr(extra)))
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+NO_COMPILER_SCRIPT = r"""
+import warnings
+import torch, ropekit
+from ropekit.ops import eager
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 8, 32, generator=gen), torch.randn(2, 2, 8, 32, generator=gen)
+    cos, sin = ropekit.cos_sin(torch.arange(8), ropekit.inv_frequencies(32)[0])
+    for _ in range(3):
+        got = ropekit.apply_rotary_qk(q, k, cos, sin)
+        assert torch.equal(got[0], eager.rotate(q, cos[None, None], sin[None, None], layout="half"))
+        assert torch.equal(ropekit.apply_rotary(k, cos, sin), got[1])
+    rope = ropekit.RotaryEmbedding(32)
+    rope(q, k)
+    assert ropekit.ops.resolve("auto", "cpu") == "torch"
+ours = [w for w in caught if "ropekit" in str(w.message)]
+assert len(ours) == 1, [str(w.message) for w in caught]
+print(ours[0].message)
+"""
+
+
+def test_no_compiler_means_eager_and_one_warning(tmp_path):
+    """PATH without c++/g++/cc and an empty cache: correct results and exactly one warning saying why."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    env = {"PATH": str(bin_dir), "ROPEKIT_CACHE_DIR": str(tmp_path / "cache"), "CXX": ""}
+    done = run_script(tmp_path, NO_COMPILER_SCRIPT, env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no C++ compiler" in done.stdout
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+DISABLED_SCRIPT = r"""
+import warnings
+import torch, ropekit
+from ropekit.ops import eager
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    x = torch.randn(2, 3, 8)
+    cos, sin = ropekit.cos_sin(torch.arange(3), ropekit.inv_frequencies(8)[0])
+    assert torch.equal(ropekit.apply_rotary(x, cos, sin), eager.rotate(x, cos[None], sin[None], layout="half"))
+    assert ropekit.ops.resolve("auto", "cpu") == "torch" and "cpu" not in ropekit.ops.available()
+ours = [str(w.message) for w in caught if "ropekit" in str(w.message)]
+assert len(ours) == 1 and "ROPEKIT_DISABLE_NATIVE" in ours[0], ours
+print("ok")
+"""
+
+
+def test_disabled_by_environment_in_a_fresh_process(tmp_path):
+    """ROPEKIT_DISABLE_NATIVE=1: "auto" runs the eager kernel, one warning says why, nothing is built."""
+    done = run_script(tmp_path, DISABLED_SCRIPT, {"ROPEKIT_DISABLE_NATIVE": "1",
+                                                  "ROPEKIT_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()

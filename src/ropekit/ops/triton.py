@@ -1,0 +1,79 @@
+"""The Triton backend ``"triton"``: every form on the fused kernel of :mod:`.triton_kernel`.
+
+The kernel runs on CUDA tensors (and on any device under ``TRITON_INTERPRET=1``) for
+float32/float16/bfloat16; elsewhere, and for float64, each form runs on the eager backend
+(same results up to the rounding of the interpreter). Forms:
+
+- ``rotate``: one launch per tensor, tables addressed by strides (stride 0 where broadcast);
+- ``rotate_pair``: q and k in one launch when they differ at most along the heads axis and
+  their other leading axes collapse to two, else one launch each;
+- ``rotate_positions`` / ``rotate_pair_positions``: one launch that looks each token's row up
+  in the full tables inside the kernel (positions, offsets, ``cu_seqlens``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import triton_kernel as kern
+from .backend import Backend
+from .eager import EagerBackend, full_rank
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _use_kernel(x: Tensor, rotary_dim: int) -> bool:
+    return kern.can_launch(x) and x.dtype in KERNEL_DTYPES and rotary_dim > 0
+
+
+class TritonBackend(Backend):
+    """``backend="triton"``: see the module docstring."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._fallback = EagerBackend()
+
+    def is_available(self) -> bool:  # noqa: D102
+        return kern.is_available()
+
+    def rotate(self, x, cos, sin, *, layout, conjugate, inplace):  # noqa: D102
+        if not _use_kernel(x, 2 * cos.shape[-1]):
+            return self._fallback.rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+        cos, sin = full_rank(x, cos, sin)
+        out = x if inplace else torch.empty_like(x)
+        if x.numel():
+            kern.launch_rotate(x, out, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+        return out
+
+    def rotate_pair(self, q, k, cos, sin, *, layout, conjugate, inplace):  # noqa: D102
+        if _use_kernel(q, 2 * cos.shape[-1]) and q.dtype == k.dtype:
+            cos, sin = full_rank(q, cos, sin)
+            q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
+            if kern.launch_rotate_pair(q, k, q_out, k_out, cos, sin, layout=layout, conjugate=conjugate,
+                                       inplace=inplace):
+                return q_out, k_out
+        return super().rotate_pair(q, k, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+
+    def rotate_positions(self, x, cos_table, sin_table, where, *, layout, conjugate, inplace):  # noqa: D102
+        if not _use_kernel(x, 2 * cos_table.shape[1]):
+            return self._fallback.rotate_positions(x, cos_table, sin_table, where, layout=layout,
+                                                   conjugate=conjugate, inplace=inplace)
+        out = x if inplace else torch.empty_like(x)
+        if x.numel():
+            kern.launch_rotate_qk(x, None, out, None, cos_table, sin_table, where.positions, where.offsets,
+                                  where.offset, where.cu_seqlens, where.max_seqlen, seq_dim=where.seq_dim,
+                                  layout=layout, conjugate=conjugate, inplace=inplace)
+        return out
+
+    def rotate_pair_positions(self, q, k, cos_table, sin_table, where, *, layout, conjugate, inplace):  # noqa: D102
+        if not _use_kernel(q, 2 * cos_table.shape[1]):
+            return self._fallback.rotate_pair_positions(q, k, cos_table, sin_table, where, layout=layout,
+                                                        conjugate=conjugate, inplace=inplace)
+        q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
+        if q.numel() + k.numel():
+            kern.launch_rotate_qk(q, k, q_out, k_out, cos_table, sin_table, where.positions, where.offsets,
+                                  where.offset, where.cu_seqlens, where.max_seqlen, seq_dim=where.seq_dim,
+                                  layout=layout, conjugate=conjugate, inplace=inplace)
+        return q_out, k_out
