@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import platform
 import shutil
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,8 +240,28 @@ def load(extra_flags: tuple[str, ...] = (), namespace: str = DEFAULT_NAMESPACE, 
         check_trusted(found.library)
         if not quiet:
             print(f"ropekit: C++ CPU kernel built in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
-    torch.ops.load_library(str(found.library))
+    import_library(found)
     return found
+
+
+def import_library(build: Build) -> types.ModuleType:
+    """Load ``build``'s library as a Python extension module (once per process; later calls return it).
+
+    Loading it registers the operators in ``torch.ops.<namespace>`` (its static initialisers) and
+    gives the same kernels as plain Python functions (``rotate``, ``rotate_pair``, ... of the
+    module: no dispatcher between Python and the kernel).
+    """
+    module = sys.modules.get(build.name)
+    if module is not None:
+        return module
+    spec = importlib.util.spec_from_file_location(build.name, build.library)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"{build.library} cannot be imported as an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[build.name] = module
+    torch.ops.loaded_libraries.add(str(build.library))
+    return module
 
 
 def _child(scratch: Path, candidates: list[str]) -> int:

@@ -1,4 +1,10 @@
-"""The C++ backend ``"cpu"``: the operators of ``csrc/rotary_cpu.cpp`` (built by :mod:`.build`).
+"""The C++ backend ``"cpu"``: the kernels of ``csrc/rotary_cpu.cpp`` (built by :mod:`.build`).
+
+The extension exposes each kernel twice, running the same C++ function: as a ``torch.ops``
+operator (``torch.ops.ropekit_cpu.rotate_pair``, ...) and as a plain Python function of the
+extension module. This backend calls the plain functions: no dispatcher between Python and
+the kernel. Autograd and ``torch.compile`` see the ``ropekit::*`` operators of
+:mod:`.operators`, whose kernels are this backend's methods.
 
 Same contract as every backend (:mod:`.backend`), one pass over memory: in place it reads and
 writes each element once; out of place it writes into ``torch.empty_like(x)``. Rows of q and k
@@ -42,6 +48,7 @@ class CppBackend(Backend):
         self.error: str | None = None
         self.build: build.Build | None = None
         self._ops = None
+        self.module = None
         self._lock = threading.Lock()
         self._fallback = EagerBackend()
 
@@ -53,13 +60,14 @@ class CppBackend(Backend):
             if self._ops is None and self.error is None:
                 try:
                     self.build = build.load(self.extra_flags, self.namespace)
-                    ops = getattr(torch.ops, self.namespace)
-                    # the overloads' own entry points: a call skips the packet's overload lookup and
-                    # the Python frame of OpOverload.__call__ (a decode step is a few µs in all)
+                    # the kernels as the extension's plain Python functions: the same C++ entry points
+                    # as the torch.ops operators, without the dispatcher between (a decode step is a
+                    # few µs, most of it the call); autograd and torch.compile go through the
+                    # ropekit::* operators of ops/operators.py, whose kernels are these methods
+                    self.module = build.import_library(self.build)
                     self._rotate, self._rotate_, self._pair, self._pair_ = (
-                        getattr(overload, "_op", overload) for overload in
-                        (ops.rotate.default, ops.rotate_.default, ops.rotate_pair.default, ops.rotate_pair_.default))
-                    self._ops = ops
+                        self.module.rotate, self.module.rotate_, self.module.rotate_pair, self.module.rotate_pair_)
+                    self._ops = getattr(torch.ops, self.namespace)
                 except Exception as exc:  # noqa: BLE001 - any failure means "not available"
                     self.error = f"{type(exc).__name__}: {exc}"
                     warnings.warn(f"ropekit's C++ CPU kernel is unavailable, the eager torch kernel runs instead "

@@ -18,6 +18,13 @@
 // memory order, a few streams at a time (visiting_order), which lets one core move about as many
 // bytes per second as x.mul_(1.0). Every row is computed the same way whatever the order or split,
 // so results never depend on either.
+//
+// The same four entry points are also plain Python functions of this extension module
+// (pybind11, PYBIND11_MODULE below): ropekit's eager call path, with nothing to record or
+// trace, calls them without the dispatcher (a decode step is a few microseconds, most of it the
+// call itself). They run exactly the code the operators run.
+#include <torch/csrc/utils/pybind.h>  // first: it includes Python.h
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/SmallVector.h>
@@ -311,4 +318,15 @@ ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, AutogradCPU, m) {
     m.impl("rotate_", &rotate_);
     m.impl("rotate_pair", &rotate_pair);
     m.impl("rotate_pair_", &rotate_pair_);
+}
+
+// The kernels as Python functions (see the top of the file), the GIL released while they run
+// (as the dispatcher does for operators called from Python).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "ropekit's CPU rotary kernels without the dispatcher (the same code as the operators)";
+    const auto release = pybind11::call_guard<pybind11::gil_scoped_release>();
+    m.def("rotate", &rotate, release);
+    m.def("rotate_", &rotate_, release);
+    m.def("rotate_pair", &rotate_pair, release);
+    m.def("rotate_pair_", &rotate_pair_, release);
 }
