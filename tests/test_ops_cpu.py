@@ -677,3 +677,26 @@ def test_disabled_by_environment_in_a_fresh_process(tmp_path):
                                                   "ROPEKIT_CACHE_DIR": str(tmp_path / "cache")})
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_portable_build_fused_kernels_give_the_same_bits(portable_functions, dtype, layout):
+    """The AVX2 loops of norm_rows.h and the portable ones: the same products, sums and lane order."""
+    gen = torch.Generator().manual_seed(12)
+    native_backend = KERNEL["backend"]
+    for head_dim, half, heads in ((128, 64, 4), (40, 12, 3), (20, 10, 5), (72, 36, 2)):
+        x = (torch.randn(2, 9, heads, head_dim, generator=gen) * 3).to(dtype)
+        cos, sin = tables(torch.arange(9), ropekit.inv_frequencies(2 * half)[0], dtype)
+        cos, sin = cos[:, None], sin[:, None]
+        grad = torch.randn(x.shape, generator=gen).to(dtype)
+        for per_token in (False, True):
+            weight = torch.randn((heads, head_dim) if per_token else (head_dim,), generator=gen).to(dtype)
+            options = dict(eps=1e-6, weight_offset=1.0, per_token=per_token, layout=layout)
+            results = []
+            for backend in (native_backend, portable_functions):
+                out = backend.rms_norm_rotate(x, weight, cos, sin, inplace=False, **options)
+                grads = backend.rms_norm_rotate_backward(grad, x, weight, cos, sin, **options)
+                results.append((out, *grads))
+            for a, b in zip(*results, strict=True):
+                assert torch.equal(bits(a), bits(b))

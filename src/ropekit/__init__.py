@@ -2,6 +2,7 @@
 
 Layers, bottom to top (docs/architecture.md): rope (the maths: frequencies, scaling rules,
 layouts) · ops (torch operators and their kernels) · functional (apply_rotary and friends) ·
+fused (q/k RMSNorm + rotation, rotation into a KV cache) ·
 config (RopeConfig, config.json) · checkpoints · nn (modules) · integrations · lab · cli.
 
 The public names below are imported on first use (PEP 562 module ``__getattr__``), so that
@@ -30,6 +31,10 @@ _EXPORTS = {
     "apply_rotary_qk": "functional",
     "rotate": "functional",
     "rotate_qk": "functional",
+    "rms_norm_rotary": "fused.norm",
+    "rms_norm_rotary_qk": "fused.norm",
+    "rotate_into_cache": "fused.cache",
+    "slot_mapping": "fused.cache",
     "channel_permutation": "rope.layouts",
     "convert_layout": "rope.layouts",
     "permute_qk_weight": "rope.layouts",
@@ -50,11 +55,15 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "inv_frequencies",
     "ops",
     "permute_qk_weight",
+    "rms_norm_rotary",
+    "rms_norm_rotary_qk",
     "rotate",
+    "rotate_into_cache",
     "rotate_qk",
     "rotation_angles",
     "rotation_matrix",
     "scaling",
+    "slot_mapping",
 ]
 
 if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names are imported on first use
@@ -62,6 +71,7 @@ if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names a
     from .config import RopeConfig
     from .config.rules import inv_frequencies
     from .functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
+    from .fused import rms_norm_rotary, rms_norm_rotary_qk, rotate_into_cache, slot_mapping
     from .nn.rotary import RotaryEmbedding
     from .ops.reference import apply_reference, rotation_matrix
     from .rope.frequencies import base_inv_freq, cos_sin, rotation_angles

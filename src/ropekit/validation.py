@@ -69,6 +69,39 @@ def check_float_tensor(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
+NORMS = ("per_head", "per_token")
+
+
+def check_norm(norm: str) -> bool:
+    """``norm="per_head"`` (False) or ``"per_token"`` (True: one norm over a token's heads); else raise."""
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    return norm == "per_token"
+
+
+def check_finite_float(value: Any, name: str) -> float:
+    """Return ``float(value)`` if it is a finite real number (not a bool), else raise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def check_norm_weight(weight: Any, x: torch.Tensor, per_token: bool, name: str, x_name: str) -> None:
+    """``weight`` is None or a float tensor of shape ``(head_dim,)`` (per head) or ``(heads, head_dim)`` (per token)."""
+    if weight is None:
+        return
+    check_float_tensor(weight, name)
+    expected = tuple(x.shape[-2:]) if per_token else tuple(x.shape[-1:])
+    if tuple(weight.shape) != expected:
+        kind = "(heads, head_dim) for norm='per_token'" if per_token else "(head_dim,) for norm='per_head'"
+        raise ValueError(f"{name} must have shape {kind} = {expected} to fit {x_name} of shape {tuple(x.shape)}, "
+                         f"got {tuple(weight.shape)}")
+    if not (weight.is_cpu and x.is_cpu) and weight.device != x.device:
+        raise ValueError(f"{name} is on {weight.device} but {x_name} is on {x.device}")
+
+
 # -- module arguments ----------------------------------------------------------------------------------
 
 

@@ -1,7 +1,8 @@
 """Modules: rotary embedding, attention with RoPE (softmax and linear), absolute encodings."""
 
 from .absolute import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
-from .attention import KVCache, RotarySelfAttention
+from .attention import RotarySelfAttention
+from .kv_cache import KVCache
 from .linear_attention import RotaryLinearAttention
 from .rotary import RotaryEmbedding
 

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..functional import apply_rotary
 from ..validation import check_hidden_states, positive_int, resolve_head_dim
+from .kv_cache import KVCache
 from .rotary import RotaryEmbedding
 
 # ``enable_gqa`` appeared in torch 2.5; older versions get k/v repeated per query head.
@@ -46,78 +48,6 @@ def build_rope(
             "pass either rope or rotary_dim/base/layout/scaling, not both: a given rope already fixes them"
         )
     return rope
-
-
-class KVCache:
-    """Rotated keys and values of the tokens seen so far, for one attention layer.
-
-    ``k`` and ``v`` are ``None`` while empty, then tensors of shape
-    ``(batch, kv_heads, length, head_dim)``. Keys are stored *after* the rotation
-    (as in Hugging Face): a cached key never needs its position again, and the
-    cache is valid for any later query position.
-
-    Each :meth:`update` concatenates; this is the plain, allocation-per-step cache,
-    meant to be obviously correct rather than fast. Use one cache per layer.
-
-    Example::
-
-        cache = KVCache()
-        out = attn(prompt, cache=cache)                 # positions 0 .. P-1
-        out = attn(next_token, cache=cache)             # position P, sees all P+1 keys
-    """
-
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        """Number of cached tokens (0 when empty)."""
-        return 0 if self.k is None else self.k.shape[-2]
-
-    def __repr__(self) -> str:
-        shape = None if self.k is None else tuple(self.k.shape)
-        return f"KVCache(length={self.length}, shape={shape})"
-
-    def reset(self) -> None:
-        """Drop every cached token."""
-        self.k = None
-        self.v = None
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new keys and values; return all of them.
-
-        Args:
-            k: rotated keys of the new tokens, ``(batch, kv_heads, new, head_dim)``.
-            v: values of the new tokens, same shape as ``k``.
-
-        Returns:
-            ``(k_all, v_all)`` of shape ``(batch, kv_heads, length + new, head_dim)``
-            (``length`` before the call), the cached tokens first.
-        """
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise ValueError(
-                    f"{name} must be a (batch, kv_heads, seq, head_dim) tensor, got {getattr(t, 'shape', t)}"
-                )
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        if self.k is None or self.v is None:
-            self.k, self.v = k, v
-            return k, v
-        cached = self.k.shape
-        if (k.shape[0], k.shape[1], k.shape[3]) != (cached[0], cached[1], cached[3]):
-            raise ValueError(
-                f"k of shape {tuple(k.shape)} does not extend the cache of shape {tuple(cached)}: "
-                "batch, kv_heads and head_dim must match"
-            )
-        if k.dtype != self.k.dtype or k.device != self.k.device:
-            raise ValueError(
-                f"k is {k.dtype} on {k.device} but the cache holds {self.k.dtype} on {self.k.device}"
-            )
-        self.k = torch.cat((self.k, k), dim=-2)
-        self.v = torch.cat((self.v, v), dim=-2)
-        return self.k, self.v
 
 
 def attention_bias_mask(
@@ -299,7 +229,12 @@ class RotarySelfAttention(nn.Module):
         q = self._split_heads(self.q_proj(x), self.num_heads)
         k = self._split_heads(self.k_proj(x), self.num_kv_heads)
         v = self._split_heads(self.v_proj(x), self.num_kv_heads)
-        if positions is None:
+        into_cache = cache is not None and cache.max_length is not None and not (
+            torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+        if into_cache:  # q rotated here, k rotated into its cache slots (tables computed once for both)
+            cos, sin = self.rope._broadcast_tables(q, positions, 0 if positions is not None else past, -2)
+            q = apply_rotary(q, cos, sin, layout=self.rope.layout, backend=self.rope.backend)
+        elif positions is None:
             q, k = self.rope(q, k, offset=past, seq_dim=-2)
         else:
             q, k = self.rope(q, k, positions, seq_dim=-2)
@@ -307,7 +242,9 @@ class RotarySelfAttention(nn.Module):
         mask, is_causal = attention_bias_mask(
             batch, seq, past + seq, causal=self.causal, attention_mask=attention_mask, device=x.device
         )
-        if cache is not None:
+        if into_cache:
+            k, v = cache.update_rotating(k, v, cos, sin, layout=self.rope.layout, backend=self.rope.backend)
+        elif cache is not None:
             k, v = cache.update(k, v)
         no_key = None
         if mask is not None and attention_mask is not None:

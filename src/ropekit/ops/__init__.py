@@ -1,7 +1,8 @@
 """The layer between the maths and the kernels: operators, kernels and the backend registry.
 
 - :mod:`.operators`: every rotation form as a ``torch.library`` operator (schema, fake kernel,
-  autograd), declared once;
+  autograd), declared once; :mod:`.operators_fused` the same for the fused forms (RMSNorm +
+  rotation, rotation into a KV cache), whose default kernels are in :mod:`.fused_eager`;
 - kernels, one backend object each (:mod:`.backend` is the contract): :mod:`.cpu` (the C++
   kernel of ``csrc/``, built and cached by :mod:`.build`), :mod:`.triton` (CUDA), :mod:`.eager`
   (plain torch ops, any device);
@@ -10,7 +11,7 @@
   (never a dispatch target).
 """
 
-from . import operators  # noqa: F401 - registers the torch.ops.ropekit operators
+from . import operators, operators_fused  # noqa: F401 - register the torch.ops.ropekit operators
 from .backend import Backend
 from .dispatch import available, get, register, resolve
 from .positions import Positions

@@ -16,10 +16,14 @@ Forms (:mod:`ropekit.ops.operators` calls them after validating every argument):
   the heads axis);
 - ``rotate_positions(x, cos_table, sin_table, where)``: full ``(max_positions, rotary_dim // 2)``
   tables, rows looked up per token as :class:`ropekit.ops.positions.Positions` says;
-- ``rotate_pair_positions(q, k, cos_table, sin_table, where)``.
+- ``rotate_pair_positions(q, k, cos_table, sin_table, where)``;
+- the fused forms ``rms_norm_rotate``, ``rms_norm_rotate_pair`` (RMSNorm + rotation),
+  ``rms_norm_rotate_backward`` and ``rotate_into_cache`` (keys rotated, values copied, into
+  KV-cache slots), whose defaults compose torch ops with the backend's ``rotate``
+  (:mod:`ropekit.ops.fused_eager`).
 
-Each takes the keywords ``layout`` (``"half"`` or ``"interleaved"``), ``conjugate`` and
-``inplace``. A subclass must implement :meth:`Backend.rotate`; the other forms default to it
+The rotation forms take the keywords ``layout`` (``"half"`` or ``"interleaved"``),
+``conjugate`` and ``inplace``. A subclass must implement :meth:`Backend.rotate`; the other forms default to it
 (two calls for a pair, an eager gather of the table rows for the by-position forms), so a new
 backend can start with one kernel and add native forms one by one. Register it with
 :func:`ropekit.ops.register`; it then gets autograd, ``torch.compile`` support and every public
@@ -31,6 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import fused_eager
 from .positions import Positions
 
 
@@ -66,6 +71,49 @@ class Backend:
         rows = where.table_rows(q)
         return self.rotate_pair(q, k, _gather(cos_table, rows), _gather(sin_table, rows), layout=layout,
                                 conjugate=conjugate, inplace=inplace)
+
+    # -- the fused forms: defaults composed of torch ops and this backend's rotate (ops/fused_eager.py) --
+    def rms_norm_rotate(self, x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, *, eps: float,
+                        weight_offset: float, per_token: bool, layout: str, inplace: bool) -> Tensor:
+        """RMSNorm of ``x`` then its rotation, rounded once (see :mod:`ropekit.ops.fused_eager`).
+
+        The norm spans the last axis (``per_token=False``; ``weight`` ``(head_dim,)``) or the
+        last two (``weight`` ``(heads, head_dim)``); ``weight`` None means gains of 1.
+        Default: the norm in float32 with torch ops, then :meth:`rotate` of the float32 result.
+        """
+        return fused_eager.norm_rotate(self, x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
+                                       per_token=per_token, layout=layout, inplace=inplace)
+
+    def rms_norm_rotate_pair(self, q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None,
+                             cos: Tensor, sin: Tensor, *, eps: float, weight_offset: float, per_token: bool,
+                             layout: str, inplace: bool) -> tuple[Tensor, Tensor]:
+        """:meth:`rms_norm_rotate` of q and k with their own weights; default: two calls."""
+        options = dict(eps=eps, weight_offset=weight_offset, per_token=per_token, layout=layout, inplace=inplace)
+        return (self.rms_norm_rotate(q, q_weight, cos, sin, **options),
+                self.rms_norm_rotate(k, k_weight, cos, sin, **options))
+
+    def rms_norm_rotate_backward(self, grad: Tensor, x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, *,
+                                 eps: float, weight_offset: float, per_token: bool,
+                                 layout: str) -> tuple[Tensor, Tensor | None]:
+        """``(grad_x, grad_weight)`` of :meth:`rms_norm_rotate` (``grad_weight`` None without a weight)."""
+        return fused_eager.norm_rotate_backward(self, grad, x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
+                                                per_token=per_token, layout=layout)
+
+    def rotate_into_cache(self, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                          slots: Tensor | None, start: int, *, k_weight: Tensor | None, eps: float | None,
+                          weight_offset: float, per_token: bool, block_size: int, layout: str) -> None:
+        """Write rotated keys (normalised first when ``eps`` is given) and the values into cache slots.
+
+        Contiguous layout (``block_size == 0``): k, v ``(batch, kv_heads, seq, head_dim)`` go to
+        ``[s, s + seq)`` of the caches' axis 2 with ``s = slots[b]`` (``start`` when ``slots`` is
+        None; one start for every row when it has one element). Paged (``block_size > 0``): k, v
+        ``(tokens, kv_heads, head_dim)``, caches ``(blocks, block_size, kv_heads, head_dim)``,
+        token ``t`` at slot ``slots[t]``, skipped when negative. Slots outside the caches raise
+        ValueError before anything is written. Default: rotate, then copy with indexing ops.
+        """
+        k_rot = fused_eager.rotate_keys(self, k, cos, sin, k_weight=k_weight, eps=eps, weight_offset=weight_offset,
+                                        per_token=per_token, block_size=block_size, layout=layout)
+        fused_eager.write_slots(k_rot, v, k_cache, v_cache, slots, start, block_size)
 
     def prepared(self, tensors: tuple[Tensor, ...], *, layout: str, inplace: bool):
         """A call ``run(*tensors)`` for tensors of exactly these shapes, strides, dtypes and devices.

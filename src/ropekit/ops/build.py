@@ -48,7 +48,7 @@ import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "rotary_cpu.cpp",)
-HEADERS = (CSRC / "rotary_rows.h", CSRC / "rotary_avx2.h")  # included by the source: part of the key
+HEADERS = tuple(sorted(CSRC.glob("*.h")))  # included by the source: part of the key
 # -ffp-contract=off: no FMA, so the arithmetic is the eager backend's, bit for bit.
 # -fno-tree-slp-vectorize: gcc's straight-line vectoriser turns the interleaved float64 pair into
 # vfmaddsub (a fused multiply-add) despite -ffp-contract=off; the loop vectoriser does not.

@@ -85,7 +85,8 @@ class CppBackend(Backend):
         """Whether the kernel runs ``x`` (a strided CPU tensor of a kernel dtype); else the eager one does."""
         return x.dtype in KERNEL_DTYPES and x.is_cpu and x.layout is torch.strided
 
-    def rotate(self, x, cos, sin, *, layout, conjugate, inplace):  # noqa: D102
+    def rotate(self, x, cos, sin, *, layout, conjugate, inplace):
+        """See :class:`ropekit.ops.Backend`."""
         if self._ops is None:
             self.operators()
         if not (self.takes(x) and cos.layout is torch.strided and sin.layout is torch.strided):
@@ -95,7 +96,8 @@ class CppBackend(Backend):
             return x
         return self._rotate(x, cos, sin, layout == "interleaved", conjugate)
 
-    def rotate_pair(self, q, k, cos, sin, *, layout, conjugate, inplace):  # noqa: D102
+    def rotate_pair(self, q, k, cos, sin, *, layout, conjugate, inplace):
+        """See :class:`ropekit.ops.Backend`."""
         if self._ops is None:
             self.operators()
         if not (self.takes(q) and self.takes(k) and cos.layout is torch.strided and sin.layout is torch.strided):
@@ -104,6 +106,58 @@ class CppBackend(Backend):
             self._pair_(q, k, cos, sin, layout == "interleaved", conjugate)
             return q, k
         return self._pair(q, k, cos, sin, layout == "interleaved", conjugate)
+
+    def _takes_all(self, *tensors) -> bool:
+        """Every tensor given (None skipped) is one the kernel takes (the first ones: those it writes)."""
+        if self._ops is None:
+            self.operators()
+        return all(t is None or (t.is_cpu and t.layout is torch.strided) for t in tensors) and tensors[0].dtype in \
+            KERNEL_DTYPES
+
+    def rms_norm_rotate(self, x, weight, cos, sin, *, eps, weight_offset, per_token, layout, inplace):
+        """See :class:`ropekit.ops.Backend`."""
+        if not self._takes_all(x, weight, cos, sin):
+            return super().rms_norm_rotate(x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
+                                           per_token=per_token, layout=layout, inplace=inplace)
+        args = (cos, sin, eps, weight_offset, per_token, layout == "interleaved")
+        if inplace:
+            self.module.rms_norm_rotate_(x, weight, *args)
+            return x
+        return self.module.rms_norm_rotate(x, weight, *args)
+
+    def rms_norm_rotate_pair(self, q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset, per_token, layout,
+                             inplace):
+        """See :class:`ropekit.ops.Backend`."""
+        if not (self._takes_all(q, q_weight, cos, sin) and self._takes_all(k, k_weight)):
+            return super().rms_norm_rotate_pair(q, k, q_weight, k_weight, cos, sin, eps=eps,
+                                                weight_offset=weight_offset, per_token=per_token, layout=layout,
+                                                inplace=inplace)
+        args = (cos, sin, eps, weight_offset, per_token, layout == "interleaved")
+        if inplace:
+            self.module.rms_norm_rotate_pair_(q, k, q_weight, k_weight, *args)
+            return q, k
+        return self.module.rms_norm_rotate_pair(q, k, q_weight, k_weight, *args)
+
+    def rms_norm_rotate_backward(self, grad, x, weight, cos, sin, *, eps, weight_offset, per_token,
+                                 layout):
+        """See :class:`ropekit.ops.Backend`."""
+        if not self._takes_all(x, grad, weight, cos, sin):
+            return super().rms_norm_rotate_backward(grad, x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
+                                                    per_token=per_token, layout=layout)
+        grad_x, grad_w = self.module.rms_norm_rotate_backward(grad, x, weight, cos, sin, eps, weight_offset,
+                                                              per_token, layout == "interleaved")
+        return grad_x, (None if weight is None else grad_w)
+
+    def rotate_into_cache(self, k, v, cos, sin, k_cache, v_cache, slots, start, *, k_weight, eps, weight_offset,
+                          per_token, block_size, layout):
+        """See :class:`ropekit.ops.Backend`."""
+        if not (self._takes_all(k_cache, k, cos, sin, slots, k_weight) and self._takes_all(v_cache, v)):
+            return super().rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight,
+                                             eps=eps, weight_offset=weight_offset, per_token=per_token,
+                                             block_size=block_size, layout=layout)
+        self.module.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, eps, weight_offset,
+                                      per_token, block_size, layout == "interleaved")
+        return None
 
     def prepared(self, tensors, *, layout, inplace):
         """The operator itself, bound to the options, for tensors like ``tensors`` (see :class:`Backend`)."""

@@ -8,7 +8,9 @@ float32/float16/bfloat16; elsewhere, and for float64, each form runs on the eage
 - ``rotate_pair``: q and k in one launch when they differ at most along the heads axis and
   their other leading axes collapse to two, else one launch each;
 - ``rotate_positions`` / ``rotate_pair_positions``: one launch that looks each token's row up
-  in the full tables inside the kernel (positions, offsets, ``cu_seqlens``).
+  in the full tables inside the kernel (positions, offsets, ``cu_seqlens``);
+- ``rms_norm_rotate`` (one launch per tensor), its backward, and ``rotate_into_cache`` (one
+  launch for the keys, one for the values) on the kernels of :mod:`.triton_fused`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import fused_eager
+from . import triton_fused as fused
 from . import triton_kernel as kern
 from .backend import Backend
 from .eager import EagerBackend, full_rank
@@ -38,7 +42,8 @@ class TritonBackend(Backend):
     def is_available(self) -> bool:  # noqa: D102
         return kern.is_available()
 
-    def rotate(self, x, cos, sin, *, layout, conjugate, inplace):  # noqa: D102
+    def rotate(self, x, cos, sin, *, layout, conjugate, inplace):
+        """See :class:`ropekit.ops.Backend`."""
         if not _use_kernel(x, 2 * cos.shape[-1]):
             return self._fallback.rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
         cos, sin = full_rank(x, cos, sin)
@@ -47,7 +52,8 @@ class TritonBackend(Backend):
             kern.launch_rotate(x, out, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
         return out
 
-    def rotate_pair(self, q, k, cos, sin, *, layout, conjugate, inplace):  # noqa: D102
+    def rotate_pair(self, q, k, cos, sin, *, layout, conjugate, inplace):
+        """See :class:`ropekit.ops.Backend`."""
         if _use_kernel(q, 2 * cos.shape[-1]) and q.dtype == k.dtype:
             cos, sin = full_rank(q, cos, sin)
             q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
@@ -56,7 +62,8 @@ class TritonBackend(Backend):
                 return q_out, k_out
         return super().rotate_pair(q, k, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
 
-    def rotate_positions(self, x, cos_table, sin_table, where, *, layout, conjugate, inplace):  # noqa: D102
+    def rotate_positions(self, x, cos_table, sin_table, where, *, layout, conjugate, inplace):
+        """See :class:`ropekit.ops.Backend`."""
         if not _use_kernel(x, 2 * cos_table.shape[1]):
             return self._fallback.rotate_positions(x, cos_table, sin_table, where, layout=layout,
                                                    conjugate=conjugate, inplace=inplace)
@@ -67,7 +74,8 @@ class TritonBackend(Backend):
                                   layout=layout, conjugate=conjugate, inplace=inplace)
         return out
 
-    def rotate_pair_positions(self, q, k, cos_table, sin_table, where, *, layout, conjugate, inplace):  # noqa: D102
+    def rotate_pair_positions(self, q, k, cos_table, sin_table, where, *, layout, conjugate, inplace):
+        """See :class:`ropekit.ops.Backend`."""
         if not _use_kernel(q, 2 * cos_table.shape[1]):
             return self._fallback.rotate_pair_positions(q, k, cos_table, sin_table, where, layout=layout,
                                                         conjugate=conjugate, inplace=inplace)
@@ -77,3 +85,49 @@ class TritonBackend(Backend):
                                   where.offset, where.cu_seqlens, where.max_seqlen, seq_dim=where.seq_dim,
                                   layout=layout, conjugate=conjugate, inplace=inplace)
         return q_out, k_out
+
+    # -- the fused forms -----------------------------------------------------------------------------------
+    @staticmethod
+    def _gains(weight, weight_offset):
+        """float32 ``weight_offset + weight`` (contiguous), or None."""
+        if weight is None:
+            return None
+        gains = weight.to(torch.float32)
+        return (gains + weight_offset if weight_offset != 0.0 else gains).contiguous()
+
+    def rms_norm_rotate(self, x, weight, cos, sin, *, eps, weight_offset, per_token, layout, inplace):
+        """See :class:`ropekit.ops.Backend`."""
+        if _use_kernel(x, 2 * cos.shape[-1]):
+            cos, sin = full_rank(x, cos, sin)
+            out = x if inplace else torch.empty_like(x)
+            if fused.launch_norm_rotate(x, out, cos, sin, self._gains(weight, weight_offset), eps=eps,
+                                        per_token=per_token, layout=layout):
+                return out
+        return super().rms_norm_rotate(x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
+                                       per_token=per_token, layout=layout, inplace=inplace)
+
+    def rms_norm_rotate_backward(self, grad, x, weight, cos, sin, *, eps, weight_offset, per_token,
+                                 layout):
+        """See :class:`ropekit.ops.Backend`."""
+        if _use_kernel(x, 2 * cos.shape[-1]) and grad.dtype == x.dtype:
+            cos, sin = full_rank(x, cos, sin)
+            grad_x = torch.empty_like(x)
+            grad_w = fused.launch_backward(grad, x, grad_x, cos, sin, self._gains(weight, weight_offset), eps=eps,
+                                           per_token=per_token, layout=layout)
+            if grad_w is not False:
+                return grad_x, (None if weight is None else grad_w.view(weight.shape).to(weight.dtype))
+        return super().rms_norm_rotate_backward(grad, x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
+                                                per_token=per_token, layout=layout)
+
+    def rotate_into_cache(self, k, v, cos, sin, k_cache, v_cache, slots, start, *, k_weight, eps, weight_offset,
+                          per_token, block_size, layout):
+        """See :class:`ropekit.ops.Backend`."""
+        if _use_kernel(k, 2 * cos.shape[-1]) and v.dtype in KERNEL_DTYPES:
+            fused_eager.check_slots(k, k_cache, slots, start, block_size)  # reads the slots back (one sync)
+            slots = None if slots is None else slots.contiguous()
+            if fused.launch_cache(k, v, cos, sin, k_cache, v_cache, slots, start, self._gains(k_weight, weight_offset),
+                                  eps=eps, per_token=per_token, block_size=block_size, layout=layout):
+                return None
+        return super().rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight, eps=eps,
+                                         weight_offset=weight_offset, per_token=per_token, block_size=block_size,
+                                         layout=layout)

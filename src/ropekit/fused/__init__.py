@@ -1,0 +1,15 @@
+"""The fused forms: validate every argument once, then call an operator (:mod:`ropekit.ops.operators_fused`).
+
+- :func:`rms_norm_rotary_qk` / :func:`rms_norm_rotary`: q/k RMSNorm (per head, or per token over
+  its heads) and rotation in one pass, forward and backward;
+- :func:`rotate_into_cache`: keys rotated (optionally normalised) and values copied into KV-cache
+  slots in one pass, contiguous or paged; :func:`slot_mapping` for the paged layout.
+
+The layer above :mod:`ropekit.functional`: same conventions (tables, layouts, backends), and
+``nn`` and ``integrations`` call these as they call the rotations.
+"""
+
+from .cache import rotate_into_cache, slot_mapping
+from .norm import rms_norm_rotary, rms_norm_rotary_qk
+
+__all__ = ["rms_norm_rotary", "rms_norm_rotary_qk", "rotate_into_cache", "slot_mapping"]

@@ -1,0 +1,239 @@
+// ropekit's CPU kernels: how one call's rows become jobs and run on torch's thread pool.
+//
+// A job is one tensor's share of a call: the row function, the pointers, the parameter block of
+// rotary_rows.h (leading sizes and the strides of x, out, cos and sin) and, for the normalising
+// kernels of norm_rows.h, the norm's own arguments. run_jobs splits the rows of every job of a
+// call over at::get_num_threads() threads from 128 KiB on (at::parallel_for); from 1 MiB on a
+// tensor's rows are visited in memory order, a few streams at a time (visiting_order). Every
+// row is computed the same way whatever the order or split, so results never depend on either.
+// Included by rotary_cpu.cpp inside its anonymous namespace.
+#ifndef ROPEKIT_CPU_JOBS_H
+#define ROPEKIT_CPU_JOBS_H
+
+using at::Tensor;
+using RowFn = int (*)(void *, void *, const void *, const void *, const int64_t *, int64_t, int64_t);
+using NormFn = int (*)(void *, void *, const void *, const void *, const NormArgs *, const int64_t *, int64_t,
+                       int64_t);
+
+constexpr size_t kMaxDims = ROPEKIT_MAX_DIMS;
+constexpr int64_t kStreams = 4;  // runs of memory visited round-robin
+// From this many bytes of a tensor on, its rows are visited in memory order (visiting_order);
+// from this many bytes of a call on, rows are split over threads. Tests lower them
+// (set_thresholds) to run those paths on small tensors.
+std::atomic<int64_t> plan_min_bytes{int64_t(1) << 20};
+std::atomic<int64_t> parallel_min_bytes{int64_t(128) << 10};
+
+RowFn row_function(at::ScalarType type) {
+    switch (type) {
+        case at::kFloat: return ropekit_rotate_f32;
+        case at::kDouble: return ropekit_rotate_f64;
+        case at::kBFloat16: return ropekit_rotate_bf16;
+        case at::kHalf: return ropekit_rotate_f16;
+        default: TORCH_CHECK_TYPE(false, "ropekit_cpu: x must be float32, float64, bfloat16 or float16, got ", type);
+    }
+}
+
+NormFn norm_function(at::ScalarType type) {
+    switch (type) {
+        case at::kFloat: return norm_rotate_rows<float, float>;
+        case at::kDouble: return norm_rotate_rows<double, double>;
+        case at::kBFloat16: return norm_rotate_rows<bf16_t, float>;
+        case at::kHalf: return norm_rotate_rows<f16_t, float>;
+        default: TORCH_CHECK_TYPE(false, "ropekit_cpu: x must be float32, float64, bfloat16 or float16, got ", type);
+    }
+}
+
+// A leading axis: its size and the strides of x, out, cos and sin along it.
+struct Dim {
+    int64_t size;
+    std::array<int64_t, 4> stride;
+};
+
+// What a normalising job adds to a rotation: the gains (float32, float64 for float64 x: weight,
+// weight_offset + weight, or ones; kept alive by the caller), eps, and for a norm over a token's
+// heads (per token) which axis of x is the heads axis (walked inside each row).
+struct NormSpec {
+    const void *gains = nullptr;
+    int64_t n = 0;  // head_dim per head, heads * head_dim per token
+    double eps = 0.0;
+    int64_t head_axis = -1;  // -1: one norm per row (per head)
+};
+
+// One tensor's share of a call: the row function, the pointers and the kernel's parameter block.
+struct Job {
+    RowFn fn = nullptr;
+    NormFn norm_fn = nullptr;  // a normalising job (then norm holds its arguments)
+    NormArgs norm{};
+    void *x = nullptr;
+    void *out = nullptr;
+    const void *cos = nullptr;
+    const void *sin = nullptr;
+    c10::SmallVector<int64_t, 8 + 5 * ROPEKIT_MAX_DIMS> params;
+    int64_t rows = 0;
+    int64_t bytes = 0;
+    Tensor x_keep, cos_keep, sin_keep;  // copies made for the kernel live as long as the job
+};
+
+// The order in which the rows are visited (results do not depend on it).
+// 1. drop axes of size 1, sort by x's stride (memory order), merge axes that are one run in x,
+//    out, cos and sin alike;
+// 2. split the next-to-innermost axis (else the innermost) in kStreams blocks visited
+//    round-robin: one core keeps several hardware prefetch streams busy, and rows of different
+//    heads sharing a table row (tables broadcast over heads) read that row once for all.
+// Small tensors keep C order (the kernel merges contiguous axes itself).
+using Dims = c10::SmallVector<Dim, ROPEKIT_MAX_DIMS + 1>;
+using Jobs = c10::SmallVector<Job, 2>;
+
+Dims visiting_order(const Dims &all, bool reorder) {
+    Dims dims;
+    for (const Dim &d : all)
+        if (d.size != 1) dims.push_back(d);
+    if (!reorder) return dims;
+    std::stable_sort(dims.begin(), dims.end(), [](const Dim &a, const Dim &b) {
+        return std::llabs(a.stride[0]) > std::llabs(b.stride[0]);
+    });
+    Dims merged;
+    for (const Dim &d : dims) {
+        bool merge = !merged.empty();
+        for (int k = 0; k < 4 && merge; k++) merge = merged.back().stride[k] == d.stride[k] * d.size;
+        if (merge) {
+            merged.back().size *= d.size;
+            merged.back().stride = d.stride;
+        } else {
+            merged.push_back(d);
+        }
+    }
+    const size_t n = merged.size();
+    if (n == 0) return merged;
+    const size_t split = n >= 2 && merged[n - 2].size % kStreams == 0 ? n - 2 : n - 1;
+    if (merged[split].size % kStreams == 0 && merged[split].size > kStreams) {
+        const int64_t block = merged[split].size / kStreams;
+        Dim streams{kStreams, merged[split].stride};
+        for (int64_t &s : streams.stride) s *= block;
+        merged[split].size = block;
+        merged.push_back(streams);
+    }
+    return merged;
+}
+
+Tensor work_table(const Tensor &table, at::ScalarType work) {
+    Tensor t = table.scalar_type() == work ? table : table.to(work);
+    if (t.size(-1) > 1 && t.stride(-1) != 1) t = t.contiguous();
+    return t;
+}
+
+// Append the jobs rotating x into out (out may be x; with norm, normalising first). More than
+// kMaxDims leading axes that do not merge: one job per index of the first axis.
+void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Tensor &sin_in, int64_t flags,
+              Jobs &jobs, const NormSpec *norm = nullptr, bool plan = true) {
+    TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "ropekit_cpu: x must be a CPU tensor");
+    TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.sizes() == out.sizes(),
+                "ropekit_cpu: the output must have x's shape and dtype");
+    TORCH_CHECK(cos_in.dim() >= 1 && cos_in.dim() <= x.dim() && sin_in.sizes() == cos_in.sizes(),
+                "ropekit_cpu: cos/sin of shape ", cos_in.sizes(), " and ", sin_in.sizes(), " do not fit x ", x.sizes());
+    TORCH_CHECK(2 * cos_in.size(-1) <= x.size(-1), "ropekit_cpu: rotary_dim exceeds head_dim");
+    TORCH_CHECK(x.stride(-1) == 1 || x.size(-1) <= 1, "ropekit_cpu: x must have unit channel stride");
+    TORCH_CHECK(out.stride(-1) == 1 || out.size(-1) <= 1, "ropekit_cpu: out must have unit channel stride");
+    if (x.numel() == 0) return;
+    const at::ScalarType work = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    const Tensor cos = work_table(cos_in, work), sin = work_table(sin_in, work);
+    const int64_t lead = x.dim() - 1, shift = x.dim() - cos.dim();
+    const int64_t head_axis = norm ? norm->head_axis : -1;
+    Job job;
+    Dims dims;
+    for (int64_t d = 0; d < lead; d++) {
+        Dim dim{x.size(d), {x.stride(d), out.stride(d), 0, 0}};
+        const int64_t t = d - shift;
+        if (t >= 0 && cos.size(t) != 1) {
+            TORCH_CHECK(cos.size(t) == x.size(d), "ropekit_cpu: cos/sin ", cos.sizes(), " do not broadcast to x ",
+                        x.sizes());
+            dim.stride[2] = cos.stride(t);
+            dim.stride[3] = sin.stride(t);
+        }
+        if (d == head_axis) {  // a norm over the token's heads: this axis is walked inside each row
+            job.norm.heads = dim.size;
+            for (int k = 0; k < 4; k++) job.norm.head_stride[k] = dim.stride[k];
+            continue;
+        }
+        dims.push_back(dim);
+    }
+    const int64_t bytes = x.numel() * static_cast<int64_t>(x.element_size());
+    Dims order = visiting_order(dims, plan && bytes >= plan_min_bytes.load());
+    if (order.size() > kMaxDims) order = visiting_order(dims, false);
+    if (order.size() > kMaxDims) {
+        TORCH_CHECK(head_axis != 0, "ropekit_cpu: too many leading axes around the heads axis");
+        NormSpec inner;
+        if (norm) inner = {norm->gains, norm->n, norm->eps, head_axis < 0 ? -1 : head_axis - 1};
+        for (int64_t i = 0; i < x.size(0); i++) {
+            const bool table_axis = shift == 0;
+            const Tensor c = table_axis ? cos.select(0, cos.size(0) == 1 ? 0 : i) : cos;
+            const Tensor s = table_axis ? sin.select(0, sin.size(0) == 1 ? 0 : i) : sin;
+            add_jobs(x.select(0, i), out.select(0, i), c, s, flags, jobs, norm ? &inner : nullptr, plan);
+        }
+        return;
+    }
+    if (norm) {
+        job.norm_fn = norm_function(x.scalar_type());
+        job.norm.gains = norm->gains;
+        job.norm.eps = norm->eps;
+        job.norm.n = norm->n;
+        job.norm.gain_head_stride = head_axis >= 0 ? x.size(-1) : 0;
+        if (head_axis < 0) job.norm.heads = 1;
+    } else {
+        job.fn = row_function(x.scalar_type());
+    }
+    job.x = x.data_ptr();
+    job.out = out.data_ptr();
+    job.cos = cos.data_ptr();
+    job.sin = sin.data_ptr();
+    job.x_keep = x;
+    job.cos_keep = cos;
+    job.sin_keep = sin;
+    job.rows = x.numel() / x.size(-1) / (head_axis >= 0 ? job.norm.heads : 1);
+    job.bytes = bytes;
+    const int64_t n = static_cast<int64_t>(order.size());
+    job.params = {n, cos.size(-1), x.size(-1), flags, 1, 1, 1, 1};
+    for (const Dim &d : order) job.params.push_back(d.size);
+    for (int k = 0; k < 4; k++)
+        for (const Dim &d : order) job.params.push_back(d.stride[k]);
+    jobs.push_back(std::move(job));
+}
+
+// Rows of every job taken together ([0, total) = rows of job 0, then job 1, ...), split over
+// torch's threads when there are enough bytes to share.
+void run_jobs(const Jobs &jobs) {
+    int64_t total = 0, bytes = 0;
+    for (const Job &j : jobs) {
+        total += j.rows;
+        bytes += j.bytes;
+    }
+    auto body = [&jobs](int64_t begin, int64_t end) {
+        int64_t base = 0;
+        for (const Job &j : jobs) {
+            const int64_t b = std::max<int64_t>(begin - base, 0), e = std::min<int64_t>(end - base, j.rows);
+            if (b < e) {
+                const int status = j.norm_fn ? j.norm_fn(j.x, j.out, j.cos, j.sin, &j.norm, j.params.data(), b, e)
+                                             : j.fn(j.x, j.out, j.cos, j.sin, j.params.data(), b, e);
+                TORCH_CHECK(status == 0, "ropekit_cpu: the kernel rejected its parameters (a bug in ropekit)");
+            }
+            base += j.rows;
+        }
+    };
+    if (total == 0) return;
+    if (bytes < parallel_min_bytes.load() || total < 2) {
+        body(0, total);
+    } else {
+        at::parallel_for(0, total, 1, body);
+    }
+}
+
+int64_t flags_of(bool interleaved, bool conjugate, bool copy_tail) {
+    return (interleaved ? FLAG_INTERLEAVED : 0) | (conjugate ? FLAG_CONJUGATE : 0) | (copy_tail ? FLAG_COPY_TAIL : 0);
+}
+
+// x itself, or a copy with unit channel stride (what the kernel reads).
+Tensor unit_channels(const Tensor &x) {
+    return x.stride(-1) == 1 || x.size(-1) <= 1 ? x : x.contiguous();
+}
+
+#endif  // ROPEKIT_CPU_JOBS_H
