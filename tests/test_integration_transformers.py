@@ -47,8 +47,9 @@ def test_logits_match_and_unpatch_restores(family, monkeypatch):
     import ropekit.integrations.transformers as integ
 
     calls = []
-    real = integ.apply_rotary_qk
-    monkeypatch.setattr(integ, "apply_rotary_qk", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("apply_rotary_qk", "rms_norm_rotary_qk"):  # rotation, or (q/k-norm families) norm + rotation
+        real = getattr(integ, name)
+        monkeypatch.setattr(integ, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     model = tiny(family)
     ref = logits(model, IDS)
     patch(model)

@@ -2,15 +2,21 @@
 
 Works for the families whose modeling file has a model-level ``*RotaryEmbedding`` module returning
 ``(cos, sin)`` and attention layers that call the module-level ``apply_rotary_pos_emb(q, k, cos, sin)``
-(Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-NeoX and their copies). :func:`patch`:
+(Llama, Mistral, Qwen2, Qwen3, Gemma 3, OLMo 2/3, Phi-3, GPT-NeoX and their copies). :func:`patch`:
 
 * overrides each rotary module's ``forward`` (instance attribute) to return ropekit's **float32**
   half-width tables ``(batch, seq, rotary_dim // 2)`` computed by :func:`ropekit.cos_sin` from
-  float64 angles, whatever the activation dtype (they reach only the patched attention layers);
+  float64 angles, whatever the activation dtype, per layer type where the config gives rope
+  parameters per layer type (Gemma 3: sliding and full attention);
 * wraps each attention module's ``forward`` so that, while it runs, the modeling module's
   ``apply_rotary_pos_emb`` rotates q/k with :func:`ropekit.apply_rotary_qk` (in ``rope.layout``, float32
   arithmetic, result in q's dtype). Other (unpatched) models sharing the modeling module keep the
-  original function: the replacement falls through to it when no patched attention is running.
+  original function: the replacement falls through to it when no patched attention is running;
+* for the families with q/k norms (Qwen3, Qwen3-MoE, Gemma 3, OLMo 2, OLMo 3), defers the norms
+  into the rotation (:mod:`.transformers_norms`): q and k are normalised and rotated in one pass
+  by :func:`ropekit.rms_norm_rotary_qk` (``fuse=False`` keeps transformers' norms);
+* with a cache from :func:`static_cache`, rotates the new keys straight into the cache's slots
+  (:mod:`.transformers_cache`).
 
 :func:`unpatch` removes the overrides; the model is then exactly as before (same outputs, bit for bit).
 Not thread-safe across concurrently running patched/unpatched models of the same family.
@@ -18,6 +24,7 @@ Not thread-safe across concurrently running patched/unpatched models of the same
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from typing import Any
@@ -25,45 +32,105 @@ from typing import Any
 import torch
 
 from ..config import RopeConfig
-from ..functional import apply_rotary_qk
+from ..functional import apply_rotary, apply_rotary_qk
+from ..fused import rms_norm_rotary, rms_norm_rotary_qk
 from ..rope.frequencies import cos_sin
+from . import transformers_norms as norms
+from .transformers_norms import Call, current
 
-_ACTIVE: list[tuple[str, str]] = []  # (layout, backend) of the patched attention now running
 _INSTALLED: dict[str, list[Any]] = {}  # modeling module name -> [original apply_rotary_pos_emb, users]
 _STATE = "_ropekit_patch"
 
 
+def _normalised(q, k, pending_q, pending_k, cos, sin, call: Call):
+    """Normalise q and k (either may be None: skipped) as their deferred norms say, and rotate them."""
+    spec = (pending_q or pending_k)[1]
+    per_token = spec.weight.numel() != (q if q is not None else k).shape[-1]
+    options = dict(eps=spec.eps, weight_offset=spec.weight_offset, layout=call.layout, backend=call.backend)
+    weights = [None if p is None else p[1].weight for p in (pending_q, pending_k)]
+    if per_token:  # (batch, heads, seq, dim) -> token-major (batch, seq, heads, dim), weight (heads, dim)
+        q, k = (None if t is None else t.transpose(1, 2) for t in (q, k))
+        weights = [None if w is None else w.view(t.shape[-2], -1) for w, t in zip(weights, (q, k), strict=True)]
+        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+        options["norm"] = "per_token"
+    if q is not None and k is not None:
+        q, k = rms_norm_rotary_qk(q, k, *weights, cos, sin, **options)
+    elif q is not None:
+        q = rms_norm_rotary(q, weights[0], cos, sin, **options)
+    else:
+        k = rms_norm_rotary(k, weights[1], cos, sin, **options)
+    if per_token:
+        q, k = (None if t is None else t.transpose(1, 2) for t in (q, k))
+    return q, k
+
+
+def _claimed(call: Call, role: str, t: torch.Tensor):
+    """The deferred norm of ``role`` if ``t`` is its input (raise if it was deferred and ``t`` is not)."""
+    pending = call.pending.pop(role, None)
+    if pending is not None and not norms.same_memory(t, pending[0]):
+        raise RuntimeError(f"ropekit: apply_rotary_pos_emb got a {role} that is not the output of the deferred "
+                           f"{role}_norm; this attention's data flow is not the one ropekit fuses")
+    return pending
+
+
 def _dispatcher(original):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
-        if not _ACTIVE:
+        call = current()
+        if call is None:
             return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
         if args:
             unsqueeze_dim = args[0]
-        layout, backend = _ACTIVE[-1]  # cos/sin: the half-width tables of _rotary_forward
-        return apply_rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim), layout=layout,
-                               backend=backend)
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)  # half-width tables of _rotary_forward
+        pending_q, pending_k = _claimed(call, "q", q), _claimed(call, "k", k)
+        defer_key = call.cache_layer is not None and not torch.compiler.is_compiling()
+        if defer_key:  # the cache layer normalises and rotates the key on its way into the cache
+            call.deferred_key = (k, k, None if pending_k is None else pending_k[1], cos, sin)
+            if pending_q is not None:
+                return _normalised(q, None, pending_q, None, cos, sin, call)[0], k
+            return apply_rotary(q, cos, sin, layout=call.layout, backend=call.backend), k
+        if pending_q is None and pending_k is None:
+            return apply_rotary_qk(q, k, cos, sin, layout=call.layout, backend=call.backend)
+        if pending_q is not None and pending_k is not None:
+            return _normalised(q, k, pending_q, pending_k, cos, sin, call)
+        # only one of them deferred (not a case of the fused families): rotate the other alone
+        q_out = (_normalised(q, None, pending_q, None, cos, sin, call)[0] if pending_q is not None
+                 else apply_rotary(q, cos, sin, layout=call.layout, backend=call.backend))
+        k_out = (_normalised(None, k, None, pending_k, cos, sin, call)[1] if pending_k is not None
+                 else apply_rotary(k, cos, sin, layout=call.layout, backend=call.backend))
+        return q_out, k_out
 
     apply_rotary_pos_emb.__ropekit_original__ = original
     return apply_rotary_pos_emb
 
 
-def _rotary_forward(inv_freq: torch.Tensor, attention_scale: float):
-    def forward(self, x, position_ids=None, *args, **kwargs):
+def _rotary_forward(frequencies: dict):
+    def forward(self, x, position_ids=None, layer_type=None, *args, **kwargs):
         """``(cos, sin)`` float32 of shape ``position_ids.shape + (rotary_dim // 2,)``."""
         if position_ids is None:
             position_ids = torch.arange(x.shape[-2], device=x.device)[None]
-        return cos_sin(position_ids, inv_freq, attention_scale=attention_scale)
+        inv_freq, attention_scale = frequencies[layer_type if layer_type in frequencies else None]
+        return cos_sin(position_ids, inv_freq.to(position_ids.device), attention_scale=attention_scale)
 
     return forward
 
 
-def _attention_forward(original, layout: str, backend: str):
+def _attention_forward(original, layout: str, backend: str, fuse: bool, rotating_layer):
     def forward(self, *args, **kwargs):
-        _ACTIVE.append((layout, backend))
+        cache = kwargs.get("past_key_values")
+        layers = getattr(cache, "layers", None)
+        index = getattr(self, "layer_idx", None)
+        layer = layers[index] if rotating_layer is not None and layers and index is not None and index < len(
+            layers) else None
+        call = Call(layout, backend, fuse, layer if isinstance(layer, rotating_layer or ()) else None)
+        norms.ACTIVE.append(call)
         try:
-            return original(*args, **kwargs)
-        finally:
-            _ACTIVE.pop()
+            result = original(*args, **kwargs)
+        except BaseException:
+            norms.ACTIVE.pop()
+            raise
+        norms.ACTIVE.pop()
+        norms.check_consumed(call, self)
+        return result
 
     return forward
 
@@ -73,49 +140,100 @@ def _modeling_module(module: torch.nn.Module):
     return mod if mod is not None and callable(getattr(mod, "apply_rotary_pos_emb", None)) else None
 
 
-def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: str = "auto") -> torch.nn.Module:
+def _takes_q_and_k(function) -> bool:
+    """``apply_rotary_pos_emb(q, k, cos, sin, ...)`` (not Gemma 3n's one-tensor form)."""
+    try:
+        names = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names[:4] == ["q", "k", "cos", "sin"]
+
+
+def _is_rotary(module: torch.nn.Module) -> bool:
+    if not type(module).__name__.endswith("RotaryEmbedding"):
+        return False
+    if hasattr(module, "inv_freq"):
+        return True
+    types_ = getattr(module, "layer_types", None) or ()
+    return bool(types_) and all(hasattr(module, f"{t}_inv_freq") for t in types_)
+
+
+def _frequencies(model: torch.nn.Module, rope: RopeConfig | None, rotary: list) -> tuple[dict, RopeConfig]:
+    """``{layer_type or None: (inv_freq, attention_scale)}`` and the config checked against the model."""
+    layer_types = sorted({t for m in rotary for t in (getattr(m, "layer_types", None) or ())})
+    if not layer_types:
+        layer_types = [None]
+    own = {t: RopeConfig.from_hf(model.config, layer_type=t) for t in layer_types}
+    first = own[layer_types[0]]
+    if rope is None:
+        for cfg in own.values():
+            if cfg.layout != "half":
+                # e.g. rope_interleave configs: their modeling code may rotate in its own way; be explicit
+                raise ValueError(f"{type(model).__name__}'s config implies layout {cfg.layout!r}; pass rope= with the "
+                                 "layout its q/k weights are stored in")
+        chosen = own
+    else:
+        if not isinstance(rope, RopeConfig):
+            raise TypeError(f"rope must be a ropekit.RopeConfig or None, got {type(rope).__name__}")
+        if (rope.head_dim, rope.rotary_dim) != (first.head_dim, first.rotary_dim):
+            raise ValueError(f"rope has head_dim {rope.head_dim}, rotary_dim {rope.rotary_dim}; the model has "
+                             f"head_dim {first.head_dim}, rotary_dim {first.rotary_dim}")
+        chosen = {t: rope for t in layer_types}
+    for cfg in chosen.values():
+        if getattr(cfg.scaling, "dynamic", False) and getattr(cfg.scaling, "fixed_seq_len", None) is None:
+            raise ValueError("length-dependent scaling (dynamic NTK, LongRoPE) needs fixed_seq_len for a KV cache; "
+                             "use RopeConfig.from_hf(config, fixed_seq_len=...)")
+    frequencies = {t: cfg.inv_frequencies() for t, cfg in chosen.items()}
+    frequencies[None] = frequencies[layer_types[0]]
+    return frequencies, chosen[layer_types[0]]
+
+
+def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: str = "auto",
+          fuse: bool = True) -> torch.nn.Module:
     """Compute ``model``'s RoPE with ropekit; returns ``model`` (patched in place).
 
     Args:
         model: a loaded ``transformers`` model (e.g. ``LlamaForCausalLM``) of a supported family.
         rope: the rotary embedding to use instead of the model's own (e.g. a YaRN context
-            extension); default ``RopeConfig.from_hf(model.config)``. Its ``head_dim``/``rotary_dim``
-            must match the model's. Its ``layout`` is the pairing q/k are rotated with: ``"half"`` for
-            Hugging Face weights; ``"interleaved"`` for a checkpoint whose q/k rows are in Meta /
-            llama.cpp order (e.g. converted with ``ropekit convert --to interleaved``).
+            extension), for every layer type; default ``RopeConfig.from_hf(model.config)`` (per
+            layer type where the config has them). Its ``head_dim``/``rotary_dim`` must match the
+            model's. Its ``layout`` is the pairing q/k are rotated with: ``"half"`` for Hugging Face
+            weights; ``"interleaved"`` for a checkpoint whose q/k rows are in Meta / llama.cpp order
+            (e.g. converted with ``ropekit convert --to interleaved``).
         backend: ropekit backend for the rotation (``"auto"`` or a name from ``ropekit.ops.available()``).
+        fuse: normalise q and k inside the rotation for the families with q/k norms (see the module
+            docstring), and rotate keys into the slots of a :func:`static_cache`.
 
     Raises:
         ValueError: already patched, no rotary/attention module found, or ``rope`` that does not fit.
     """
     if getattr(model, _STATE, None) is not None:
         raise ValueError("model is already patched by ropekit; call unpatch(model) first")
-    own = RopeConfig.from_hf(model.config)
-    if rope is None and own.layout != "half":
-        # e.g. rope_interleave configs: their modeling code may rotate in its own way; be explicit
-        raise ValueError(f"{type(model).__name__}'s config implies layout {own.layout!r}; pass rope= with the "
-                         "layout its q/k weights are stored in")
-    rope = own if rope is None else rope
-    if not isinstance(rope, RopeConfig):
-        raise TypeError(f"rope must be a ropekit.RopeConfig or None, got {type(rope).__name__}")
-    if (rope.head_dim, rope.rotary_dim) != (own.head_dim, own.rotary_dim):
-        raise ValueError(f"rope has head_dim {rope.head_dim}, rotary_dim {rope.rotary_dim}; the model has "
-                         f"head_dim {own.head_dim}, rotary_dim {own.rotary_dim}")
-    if getattr(rope.scaling, "dynamic", False) and getattr(rope.scaling, "fixed_seq_len", None) is None:
-        raise ValueError("length-dependent scaling (dynamic NTK, LongRoPE) needs fixed_seq_len for a KV cache; "
-                         "use RopeConfig.from_hf(config, fixed_seq_len=...)")
-    inv_freq, scale = rope.inv_frequencies()
-    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq")]
+    if not isinstance(fuse, bool):
+        raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
+    rotary = [m for m in model.modules() if _is_rotary(m)]
     attention = [m for m in model.modules() if type(m).__name__.endswith("Attention") and _modeling_module(m)]
-    if not rotary or not attention:
+    rotations = [_modeling_module(m).apply_rotary_pos_emb for m in attention]
+    if not rotary or not attention or not all(_takes_q_and_k(getattr(f, "__ropekit_original__", f)) for f in rotations):
         raise ValueError(f"{type(model).__name__}: found {len(rotary)} rotary embedding and {len(attention)} "
                          "attention modules; ropekit.integrations.transformers supports models with a "
-                         "*RotaryEmbedding module and apply_rotary_pos_emb (Llama, Mistral, Qwen2/3, Phi-3, GPT-NeoX)")
+                         "*RotaryEmbedding module and apply_rotary_pos_emb(q, k, cos, sin) (Llama, Mistral, Qwen2/3, "
+                         "Gemma 3, OLMo 2/3, Phi-3, GPT-NeoX)")
+    frequencies, rope = _frequencies(model, rope, rotary)
     for m in rotary:
-        m.forward = types.MethodType(_rotary_forward(inv_freq.to(m.inv_freq.device), scale), m)
+        device = next(m.buffers(), torch.empty(0)).device
+        m.forward = types.MethodType(_rotary_forward({t: (inv.to(device), scale)
+                                                      for t, (inv, scale) in frequencies.items()}), m)
+    rotating_layer = None
+    if fuse:
+        from .transformers_cache import RotatingStaticLayer
+
+        rotating_layer = RotatingStaticLayer
+    deferred = [n for m in attention for n in (norms.install(m) if fuse else [])]
     modules = []
     for m in attention:
-        m.forward = types.MethodType(_attention_forward(m.forward, rope.layout, backend), m)
+        into_cache = rotating_layer if type(m).__name__ in norms.KEY_INTO_CACHE_ATTENTION else None
+        m.forward = types.MethodType(_attention_forward(m.forward, rope.layout, backend, fuse, into_cache), m)
         mod = _modeling_module(m)
         if mod.__name__ not in modules:
             modules.append(mod.__name__)
@@ -125,7 +243,8 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
             _INSTALLED[name] = [mod.apply_rotary_pos_emb, 0]
             mod.apply_rotary_pos_emb = _dispatcher(mod.apply_rotary_pos_emb)
         _INSTALLED[name][1] += 1
-    setattr(model, _STATE, {"rotary": rotary, "attention": attention, "modules": modules, "rope": rope})
+    setattr(model, _STATE, {"rotary": rotary, "attention": attention, "norms": deferred, "modules": modules,
+                            "rope": rope})
     return model
 
 
@@ -134,7 +253,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     state = getattr(model, _STATE, None)
     if state is None:
         raise ValueError("model is not patched by ropekit")
-    for m in state["rotary"] + state["attention"]:
+    for m in state["rotary"] + state["attention"] + state["norms"]:
         m.__dict__.pop("forward", None)
     for name in state["modules"]:
         entry = _INSTALLED[name]
@@ -144,3 +263,14 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             del _INSTALLED[name]
     delattr(model, _STATE)
     return model
+
+
+def static_cache(model: torch.nn.Module, max_cache_len: int, **kwargs: Any):
+    """A transformers ``StaticCache`` whose full-attention layers take keys rotated into their slots.
+
+    See :func:`ropekit.integrations.transformers_cache.static_cache`; useful on a model patched
+    with ``fuse=True`` (the default), where it saves the key's second pass.
+    """
+    from .transformers_cache import static_cache as build
+
+    return build(model, max_cache_len, **kwargs)
