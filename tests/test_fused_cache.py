@@ -165,3 +165,31 @@ def test_kv_cache_update_rotating_under_autograd_rotates_then_appends():
     torch.testing.assert_close(keys, ropekit.apply_rotary(k.detach(), cos, sin))
     with pytest.raises(ValueError, match="no autograd"):
         ropekit.rotate_into_cache(k, v, cos, sin, torch.zeros(1, 2, 8, 32), torch.zeros(1, 2, 8, 32), 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("head_dim", [64, 72])  # 72: partial rotary (a copied tail), rows not 32-byte multiples
+def test_decode_step_into_a_long_cache_equals_rotate_then_copy(backend, dtype, layout, head_dim):
+    """One token per sequence, many heads: the rows land far apart (the kernel streams them to their slots)."""
+    gen = torch.Generator().manual_seed(5)
+    batch, heads, length = 5, 12, 64
+    k = torch.randn(batch, heads, 1, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, heads, 1, head_dim, generator=gen).to(dtype)
+    starts = torch.tensor([3, 63, 0, 17, 40])
+    inv_freq, _ = ropekit.inv_frequencies(64)
+    cos, sin = ropekit.cos_sin(starts[:, None], inv_freq)
+    cos, sin = cos[:, None, :, :], sin[:, None, :, :]  # (batch, 1, 1, half)
+    if dtype == torch.float64:
+        cos, sin = cos.double(), sin.double()
+    rotated = ropekit.apply_rotary(k, cos, sin, layout=layout, backend=backend)
+    for slots in (starts, 9):
+        k_cache, v_cache = caches((batch, heads, length, head_dim), dtype)
+        ropekit.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout=layout, backend=backend)
+        want_k, want_v = caches((batch, heads, length, head_dim), dtype)
+        for b in range(batch):
+            first = int(slots[b]) if isinstance(slots, torch.Tensor) else slots
+            want_k[b, :, first] = rotated[b, :, 0]
+            want_v[b, :, first] = v[b, :, 0]
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)

@@ -31,11 +31,28 @@ from ..validation import (
     check_norm_weight,
     check_positive_float,
 )
-from .norm import _signature
 
 _PREPARED_MAX = 256
 _prepared: dict[tuple, object] = {}
 on_register(lambda: _prepared.clear())
+
+
+def _call_key(k, v, cos, sin, k_cache, v_cache, k_weight, slots, options: tuple) -> tuple | None:
+    """The key of a call's prepared kernel, or None (no fast path).
+
+    Only the options, k's dtype and device and the kinds of slots and weight: the kernels check
+    everything their memory accesses depend on (shapes, strides, devices, slots inside the cache)
+    on every call, and a call they refuse is validated again here, which names what is wrong.
+    """
+    if torch.compiler.is_compiling() or not (type(k) is type(v) is type(cos) is type(sin) is type(k_cache)
+                                             is type(v_cache) is Tensor):
+        return None
+    key = (k.dtype, k.device, v.dtype, k_weight is None, type(slots), getattr(slots, "dtype", None), *options)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable option: the checks say what is wrong with it
+        return None
+    return key
 
 
 def _check_slots(slots, k: Tensor, paged: bool) -> tuple[Tensor | None, int]:
@@ -135,14 +152,17 @@ def rotate_into_cache(
 
     No autograd (a cache write): k and v must not require grad while grad is enabled.
     """
-    options = ("cache", layout, eps, norm, weight_offset, block_size, backend)
-    start = slots if isinstance(slots, int) and not isinstance(slots, bool) else None
-    key = _signature((k, v, cos, sin, k_cache, v_cache, k_weight, None if start is not None else slots), options)
+    start = slots if type(slots) is int else None
+    key = _call_key(k, v, cos, sin, k_cache, v_cache, k_weight, None if start is not None else slots,
+                    (layout, eps, norm, weight_offset, block_size, backend))
     run = _prepared.get(key) if key is not None else None
     if run is not None and (start is None or start >= 0) and not (
             torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
-        run(k, v, cos, sin, k_cache, v_cache, slots if start is None else None, start or 0, k_weight)
-        return
+        try:
+            run(k, v, cos, sin, k_cache, v_cache, slots if start is None else None, start or 0, k_weight)
+            return
+        except (RuntimeError, ValueError, TypeError):
+            pass  # the checks below name the argument (or this call raises the kernel's error again)
     check_layout(layout)
     paged_block = _check_caches(k, v, k_cache, v_cache, block_size)
     slot_tensor, start = _check_slots(slots, k, paged_block > 0)
@@ -168,9 +188,8 @@ def rotate_into_cache(
     if key is not None and operators_fused.direct(k, v, cos, sin, k_cache, v_cache):
         if len(_prepared) >= _PREPARED_MAX:
             _prepared.clear()
-        options_of_kernel = {n: v for n, v in call.items() if n != "k_weight"}
-        _prepared[key] = (lambda k, v, cos, sin, k_cache, v_cache, slots, start, k_weight: kernel.rotate_into_cache(
-            k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight, **options_of_kernel))
+        _prepared[key] = kernel.prepared_cache_write(
+            k_weight_given=k_weight is not None, **{n: value for n, value in call.items() if n != "k_weight"})
     operators_fused.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slot_tensor, start, backend=name, **call)
 
 

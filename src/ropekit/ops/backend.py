@@ -115,6 +115,20 @@ class Backend:
                                         per_token=per_token, block_size=block_size, layout=layout)
         fused_eager.write_slots(k_rot, v, k_cache, v_cache, slots, start, block_size)
 
+    def prepared_cache_write(self, *, k_weight_given: bool, eps: float | None, weight_offset: float, per_token: bool,
+                             block_size: int, layout: str):
+        """A call ``run(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight)`` of :meth:`rotate_into_cache`.
+
+        ``ropekit.rotate_into_cache`` keeps it for a signature that passed every check (a decode
+        loop repeats one); a backend may return a leaner call than this default.
+        """
+        def run(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight):
+            self.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight, eps=eps,
+                                   weight_offset=weight_offset, per_token=per_token, block_size=block_size,
+                                   layout=layout)
+
+        return run
+
     def prepared(self, tensors: tuple[Tensor, ...], *, layout: str, inplace: bool):
         """A call ``run(*tensors)`` for tensors of exactly these shapes, strides, dtypes and devices.
 

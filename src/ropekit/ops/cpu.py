@@ -159,6 +159,19 @@ class CppBackend(Backend):
                                       per_token, block_size, layout == "interleaved")
         return None
 
+    def prepared_cache_write(self, *, k_weight_given, eps, weight_offset, per_token, block_size, layout):
+        """The extension's function itself, bound to the options (see :class:`Backend`); CPU tensors only."""
+        if not self.is_available():
+            return super().prepared_cache_write(k_weight_given=k_weight_given, eps=eps, weight_offset=weight_offset,
+                                                per_token=per_token, block_size=block_size, layout=layout)
+        write, interleaved = self.module.rotate_into_cache, layout == "interleaved"
+
+        def run(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight):
+            write(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, eps, weight_offset, per_token, block_size,
+                  interleaved)
+
+        return run
+
     def prepared(self, tensors, *, layout, inplace):
         """The operator itself, bound to the options, for tensors like ``tensors`` (see :class:`Backend`)."""
         if not (self.is_available() and all(self.takes(t) for t in tensors)):

@@ -126,7 +126,8 @@ Tensor work_table(const Tensor &table, at::ScalarType work) {
 // kMaxDims leading axes that do not merge: one job per index of the first axis.
 void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Tensor &sin_in, int64_t flags,
               Jobs &jobs, const NormSpec *norm = nullptr, bool plan = true) {
-    TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "ropekit_cpu: x must be a CPU tensor");
+    TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && cos_in.device().is_cpu() && sin_in.device().is_cpu(),
+                "ropekit_cpu: x, its output and the tables must be CPU tensors");
     TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.sizes() == out.sizes(),
                 "ropekit_cpu: the output must have x's shape and dtype");
     TORCH_CHECK(cos_in.dim() >= 1 && cos_in.dim() <= x.dim() && sin_in.sizes() == cos_in.sizes(),
@@ -220,7 +221,7 @@ void run_jobs(const Jobs &jobs) {
         }
     };
     if (total == 0) return;
-    if (bytes < parallel_min_bytes.load() || total < 2) {
+    if (bytes < parallel_min_bytes.load() || total < 2 || at::get_num_threads() == 1) {  // no team to wake
         body(0, total);
     } else {
         at::parallel_for(0, total, 1, body);

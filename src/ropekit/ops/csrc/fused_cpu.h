@@ -152,7 +152,7 @@ void backward_job(const Tensor &grad, const Tensor &x, const Job &job, std::vect
             if (with_gain_grad) local[chunk].assign(gain_grad.begin(), gain_grad.end());
         }
     };
-    if (job.bytes < parallel_min_bytes.load() || chunks < 2) {
+    if (job.bytes < parallel_min_bytes.load() || chunks < 2 || at::get_num_threads() == 1) {
         body(0, chunks);
     } else {
         at::parallel_for(0, chunks, 1, body);
@@ -258,10 +258,34 @@ void rotate_into_cache(const Tensor &k, const Tensor &v, const Tensor &cos, cons
                               ") do not fit in a cache of length ", length);
         if (starts.size() == 1) {
             add(k_in, v_in, k_cache.narrow(2, starts[0], seq), v_cache.narrow(2, starts[0], seq), cos, sin, 1);
-        } else {
-            for (int64_t b = 0; b < batch; b++)
-                add(k_in.select(0, b), v_in.select(0, b), k_cache.select(0, b).narrow(1, starts[b], seq),
-                    v_cache.select(0, b).narrow(1, starts[b], seq), batch_rows(cos, b), batch_rows(sin, b), 0);
+        } else {  // the jobs of row 0 at slot 0, then copies moved to each row and its start (no views)
+            const at::ScalarType work = k.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+            const Tensor cos_w = work_table(cos, work), sin_w = work_table(sin, work);
+            const Tensor c0 = batch_rows(cos_w, 0), s0 = batch_rows(sin_w, 0);
+            NormSpec spec = norm.spec;
+            spec.head_axis = per_token ? 0 : -1;
+            Jobs proto;
+            add_jobs(k_in.select(0, 0), k_cache.select(0, 0).narrow(1, 0, seq), c0, s0, flags, proto,
+                     eps.has_value() ? &spec : nullptr);
+            const size_t key_jobs = proto.size();
+            add_jobs(v_in.select(0, 0), v_cache.select(0, 0).narrow(1, 0, seq), c0.narrow(-1, 0, 0),
+                     s0.narrow(-1, 0, 0), flags, proto);
+            const bool table_rows = cos_w.dim() == 4 && cos_w.size(0) != 1;
+            for (int64_t b = 0; b < batch; b++) {
+                for (size_t i = 0; i < proto.size(); i++) {
+                    const bool key = i < key_jobs;
+                    const Tensor &src = key ? k_in : v_in, &dst = key ? k_cache : v_cache;
+                    const int64_t size = src.element_size();
+                    Job job = proto[i];
+                    job.x = static_cast<char *>(job.x) + b * src.stride(0) * size;
+                    job.out = static_cast<char *>(job.out) + (b * dst.stride(0) + starts[b] * dst.stride(2)) * size;
+                    if (key && table_rows) {
+                        job.cos = static_cast<const char *>(job.cos) + b * cos_w.stride(0) * cos_w.element_size();
+                        job.sin = static_cast<const char *>(job.sin) + b * sin_w.stride(0) * sin_w.element_size();
+                    }
+                    jobs.push_back(std::move(job));
+                }
+            }
         }
     } else {
         TORCH_CHECK(k_cache.size(1) == block_size && k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),

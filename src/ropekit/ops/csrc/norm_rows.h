@@ -3,10 +3,11 @@
 //
 // For a row x of n channels (one head vector; per token, the token's heads one after another):
 //
-//     ms = sum_j x_j^2 / n              in float64: the squares of float32 values are exact there,
-//                                       summed in 8 lanes (lane = j mod 8, in order), the lanes
-//                                       combined as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7));
-//                                       the mean is then correct to about 1e-15 whatever the order
+//     ms = sum_j x_j^2 / n              the squares summed in 8 lanes (lane = j mod 8, in order), in
+//                                       float64 (squares of float32 values are exact there; the mean
+//                                       is then right to ~1e-15 whatever the order), in float32 for
+//                                       16-bit inputs (their squares are exact in float32); the lanes
+//                                       combined in float64 as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
 //     r  = 1 / sqrt(ms + eps)           float64, rounded once to float32 (float64 for double x)
 //     y_j = (x_j * r) * g_j             g = weight, weight_offset + weight, or 1 (float32)
 //     pairs (y1, y2) of each head:  o1 = y1 c - y2 s,  o2 = y2 c + y1 s;  tail channels o_j = y_j
@@ -39,6 +40,12 @@ struct NormArgs {
 // 16-bit element types as distinct C++ types (both are uint16_t bits).
 struct bf16_t { uint16_t bits; };
 struct f16_t { uint16_t bits; };
+
+// The lanes of the sum of squares: float64, except for 16-bit inputs, whose squares (at most 22
+// significant bits) are exact in float32 and whose float32 sums err far below their own precision.
+template <class T> struct Lanes { using type = double; };
+template <> struct Lanes<bf16_t> { using type = float; };
+template <> struct Lanes<f16_t> { using type = float; };
 
 inline float load_elem(const float *p) { return *p; }
 inline double load_elem(const double *p) { return *p; }
@@ -80,6 +87,57 @@ int64_t simd_sum_squares(const T *x, int64_t n, int64_t base, double *acc) {
     }
     _mm256_storeu_pd(acc, low);
     _mm256_storeu_pd(acc + 4, high);
+    return i;
+}
+
+template <class T>
+int64_t simd_sum_squares(const T *x, int64_t n, int64_t base, float *acc) {
+    if (base & 7) return 0;
+    __m256 lanes = _mm256_loadu_ps(acc);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = load8(x + i);
+        lanes = _mm256_add_ps(lanes, _mm256_mul_ps(v, v));
+    }
+    _mm256_storeu_ps(acc, lanes);
+    return i;
+}
+
+template <class T>
+int64_t simd_sum_squares4(const T *const *x, int64_t n, float (*acc)[8]) {
+    __m256 lanes[4];
+    for (int q = 0; q < 4; q++) lanes[q] = _mm256_loadu_ps(acc[q]);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int q = 0; q < 4; q++) {
+            __m256 v = load8(x[q] + i);
+            lanes[q] = _mm256_add_ps(lanes[q], _mm256_mul_ps(v, v));
+        }
+    for (int q = 0; q < 4; q++) _mm256_storeu_ps(acc[q], lanes[q]);
+    return i;
+}
+
+// Four rows at once (eight independent accumulator chains): pass 1 of a group of rows.
+template <class T>
+int64_t simd_sum_squares4(const T *const *x, int64_t n, double (*acc)[8]) {
+    __m256d low[4], high[4];
+    for (int q = 0; q < 4; q++) {
+        low[q] = _mm256_loadu_pd(acc[q]);
+        high[q] = _mm256_loadu_pd(acc[q] + 4);
+    }
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        for (int q = 0; q < 4; q++) {
+            __m256 v = load8(x[q] + i);
+            __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+            low[q] = _mm256_add_pd(low[q], _mm256_mul_pd(a, a));
+            high[q] = _mm256_add_pd(high[q], _mm256_mul_pd(b, b));
+        }
+    }
+    for (int q = 0; q < 4; q++) {
+        _mm256_storeu_pd(acc[q], low[q]);
+        _mm256_storeu_pd(acc[q] + 4, high[q]);
+    }
     return i;
 }
 
@@ -126,10 +184,13 @@ int64_t simd_norm_tail(const T *x, T *o, const float *g, float r, int64_t n) {
 
 // Generic versions: no SIMD for double (and for everything in the portable build).
 #if !ROPEKIT_SIMD
-template <class T>
-int64_t simd_sum_squares(const T *, int64_t, int64_t, double *) { return 0; }
+template <class T, class A>
+int64_t simd_sum_squares(const T *, int64_t, int64_t, A *) { return 0; }
+template <class T, class A>
+int64_t simd_sum_squares4(const T *const *, int64_t, A (*)[8]) { return 0; }
 #endif
 inline int64_t simd_sum_squares(const double *, int64_t, int64_t, double *) { return 0; }
+inline int64_t simd_sum_squares4(const double *const *, int64_t, double (*)[8]) { return 0; }
 template <class T, class CT>
 int64_t simd_norm_half(const T *, T *, const CT *, const CT *, const CT *, CT, int64_t) { return 0; }
 template <class T, class CT>
@@ -140,18 +201,30 @@ int64_t simd_norm_tail(const T *, T *, const CT *, CT, int64_t) { return 0; }
 // ---- the row pieces ----
 
 // Add the squares of x[0, n) to the float64 lanes: element j goes to lane (base + j) mod 8.
-template <class T>
-inline void sum_squares(const T *x, int64_t n, int64_t base, double *acc) {
+template <class T, class A>
+inline void sum_squares(const T *x, int64_t n, int64_t base, A *acc) {
     for (int64_t i = simd_sum_squares(x, n, base, acc); i < n; i++) {
-        const double v = load_elem(x + i);
+        const A v = load_elem(x + i);
         acc[(base + i) & 7] += v * v;
     }
 }
 
+// The squares of four rows of n channels each, lane by lane as sum_squares adds them.
+template <class T, class A>
+inline void sum_squares4(const T *const *x, int64_t n, A (*acc)[8]) {
+    const int64_t done = simd_sum_squares4(x, n, acc);
+    for (int q = 0; q < 4; q++)
+        for (int64_t i = done; i < n; i++) {
+            const A v = load_elem(x[q] + i);
+            acc[q][i & 7] += v * v;
+        }
+}
+
 // 1 / sqrt(mean + eps) from the lanes, in float64, rounded once to CT.
-template <class CT>
-inline CT inv_rms(const double *acc, int64_t n, double eps) {
-    const double s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+template <class CT, class A>
+inline CT inv_rms(const A *acc, int64_t n, double eps) {
+    const double a[8] = {acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]};
+    const double s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
     return static_cast<CT>(1.0 / std::sqrt(s / static_cast<double>(n) + eps));
 }
 
@@ -186,6 +259,32 @@ inline void rows_next(rows_t *r) {
     rows_carry(r);
 }
 
+// Four consecutive rows of the odometer: their pointers (taking them steps the odometer).
+template <class T, class CT>
+struct RowGroup {
+    const T *x[4];
+    T *out[4];
+    const CT *cos[4], *sin[4];
+
+    static RowGroup take(rows_t *r, const void *x0, void *out0, const void *cos0, const void *sin0) {
+        RowGroup g;
+        for (int q = 0; q < 4; q++, rows_next(r)) {
+            g.x[q] = static_cast<const T *>(x0) + r->offset[0];
+            g.out[q] = static_cast<T *>(out0) + r->offset[1];
+            g.cos[q] = static_cast<const CT *>(cos0) + r->offset[2];
+            g.sin[q] = static_cast<const CT *>(sin0) + r->offset[3];
+        }
+        return g;
+    }
+
+    // ask for the rows' lines while the previous group is computed
+    void prefetch(int64_t head_dim) const {
+        const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(T));
+        for (int q = 0; q < 4; q++)
+            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char *>(x[q]) + b, 0, 3);
+    }
+};
+
 // The normalising row function (NormFn of cpu_jobs.h): rows [row_begin, row_end) of params.
 template <class T, class CT>
 int norm_rotate_rows(void *x, void *out, const void *cos, const void *sin, const NormArgs *na,
@@ -194,11 +293,33 @@ int norm_rotate_rows(void *x, void *out, const void *cos, const void *sin, const
     if (rows_init(&r, params, row_begin, row_end)) return -1;
     const bool interleaved = (r.flags & FLAG_INTERLEAVED) != 0;
     const CT *gains = static_cast<const CT *>(na->gains);
-    for (int64_t row = row_begin; row < row_end; row++, rows_next(&r)) {
+    int64_t row = row_begin;
+    if (na->heads == 1 && row + 4 <= row_end) {  // one norm per row: four rows at a time, the next four fetched
+        RowGroup<T, CT> group = RowGroup<T, CT>::take(&r, x, out, cos, sin);
+        for (;;) {
+            const bool more = row + 8 <= row_end;
+            RowGroup<T, CT> next;
+            if (more) {
+                next = RowGroup<T, CT>::take(&r, x, out, cos, sin);
+                next.prefetch(r.head_dim);
+            }
+            typename Lanes<T>::type acc[4][8] = {};
+            sum_squares4(group.x, r.head_dim, acc);
+            CT inv[4];
+            for (int q = 0; q < 4; q++) inv[q] = inv_rms<CT>(acc[q], na->n, na->eps);
+            for (int q = 0; q < 4; q++)
+                norm_rotate_head(group.x[q], group.out[q], group.cos[q], group.sin[q], gains, inv[q], r.h, r.head_dim,
+                                 interleaved);
+            row += 4;
+            if (!more) break;
+            group = next;
+        }
+    }
+    for (; row < row_end; row++, rows_next(&r)) {
         const T *xr = static_cast<const T *>(x) + r.offset[0];
         T *orow = static_cast<T *>(out) + r.offset[1];
         const CT *cr = static_cast<const CT *>(cos) + r.offset[2], *sr = static_cast<const CT *>(sin) + r.offset[3];
-        double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        typename Lanes<T>::type acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int64_t hd = 0; hd < na->heads; hd++)
             sum_squares(xr + hd * na->head_stride[0], r.head_dim, hd * r.head_dim, acc);
         const CT inv = inv_rms<CT>(acc, na->n, na->eps);
@@ -222,7 +343,7 @@ int norm_rotate_backward_rows(const void *grad, const void *x, void *out, const 
     const CT *gains = static_cast<const CT *>(na->gains);
     const int64_t h = r.h, d = r.head_dim;
     for (int64_t row = row_begin; row < row_end; row++, rows_next(&r)) {
-        double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        typename Lanes<T>::type acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int64_t hd = 0; hd < na->heads; hd++)
             sum_squares(static_cast<const T *>(x) + r.offset[0] + hd * na->head_stride[0], d, hd * d, acc);
         const CT inv = inv_rms<CT>(acc, na->n, na->eps);

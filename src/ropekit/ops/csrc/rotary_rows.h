@@ -245,6 +245,27 @@ static void NAME##_rows4(T *x, T *o, int64_t xs, int64_t os, const CT *c, const 
     }                                                                                         \
 }
 
+/* Rows written far apart (a KV cache's slots) go out with non-temporal stores where the row is
+   32-byte aligned: no read of the destination lines first, which halves the memory traffic of a
+   scattered write (the lines are not wanted in the cache: attention reads them much later). */
+#define ROPEKIT_STREAM_MAX_BYTES 1024 /* rows up to this size are staged (4 at a time) and streamed */
+static inline void ropekit_stream_row(void *dst, const void *src, int64_t bytes) {
+#if ROPEKIT_SIMD
+    if (((uintptr_t)dst & 31) == 0 && (bytes & 31) == 0) {
+        for (int64_t b = 0; b < bytes; b += 32)
+            _mm256_stream_si256((__m256i *)((char *)dst + b), _mm256_loadu_si256((const __m256i *)((const char *)src + b)));
+        return;
+    }
+#endif
+    memcpy(dst, src, (size_t)bytes);
+}
+
+static inline void ropekit_stream_fence(void) {
+#if ROPEKIT_SIMD
+    _mm_sfence(); /* the streamed rows are visible before the call returns */
+#endif
+}
+
 /* ---- walking the rows: an odometer over the leading dims, four offsets kept in step ---- */
 
 typedef struct {
@@ -323,6 +344,11 @@ static int ropekit_rotate_##NAME(void *x, void *out, const void *cos, const void
     const int64_t last = r.ndim > 0 ? r.ndim - 1 : 0, inner = r.ndim > 0 ? r.size[last] : 1; \
     const int64_t sx = r.ndim > 0 ? r.stride[0][last] : 0, so = r.ndim > 0 ? r.stride[1][last] : 0; \
     const int64_t sc = r.ndim > 0 ? r.stride[2][last] : 0, ss = r.ndim > 0 ? r.stride[3][last] : 0; \
+    /* rows written far apart (a KV cache's slots), copied tail included: staged and streamed */ \
+    T stage[4 * ROPEKIT_STREAM_MAX_BYTES / sizeof(T)];                                        \
+    const int far = ROPEKIT_SIMD && !inplace && (r.flags & FLAG_COPY_TAIL) &&                 \
+                    r.head_dim * (int64_t)sizeof(T) <= ROPEKIT_STREAM_MAX_BYTES &&            \
+                    (so > 2 * r.head_dim || so < -2 * r.head_dim);                            \
     for (int64_t row = row_begin; row < row_end;) {                                           \
         const int64_t start = r.ndim > 0 ? r.index[last] : 0;                                 \
         const int64_t n = inner - start < row_end - row ? inner - start : row_end - row;      \
@@ -330,6 +356,15 @@ static int ropekit_rotate_##NAME(void *x, void *out, const void *cos, const void
         const CT *cr = (const CT *)cos + r.offset[2], *sr = (const CT *)sin + r.offset[3];    \
         if (sc == 0 && ss == 0 && n >= 4) {                                                   \
             int64_t j = 0;                                                                    \
+            for (; j + 4 <= n && far; j += 4, xr += 4 * sx, orow += 4 * so) {                 \
+                /* staged in L1, four rows at a time, then streamed to their slots */         \
+                NAME##_rows4(xr, stage, sx, r.head_dim, cr, sr, h, sg, interleaved, 0);       \
+                for (int q = 0; q < 4; q++) {                                                 \
+                    if (tail > 0)                                                             \
+                        memcpy(stage + q * r.head_dim + 2 * h, xr + q * sx + 2 * h, (size_t)tail * sizeof(T)); \
+                    ropekit_stream_row(orow + q * so, stage + q * r.head_dim, r.head_dim * (int64_t)sizeof(T)); \
+                }                                                                             \
+            }                                                                                 \
             for (; j + 4 <= n; j += 4, xr += 4 * sx, orow += 4 * so) {                        \
                 NAME##_rows4(xr, orow, sx, so, cr, sr, h, sg, interleaved, inplace);          \
                 if (tail > 0)                                                                 \
@@ -353,6 +388,7 @@ static int ropekit_rotate_##NAME(void *x, void *out, const void *cos, const void
                 else NAME##_half_copy(xr, orow, cr, sr, h, sg);                               \
                 if (tail > 0) memcpy(orow + 2 * h, xr + 2 * h, (size_t)tail * sizeof(T)))     \
         }                                                                                     \
+        if (far) ropekit_stream_fence();                                                      \
         row += n;                                                                             \
         if (r.ndim > 0) {                                                                     \
             r.index[last] += n;                                                               \

@@ -1,0 +1,183 @@
+"""The fused forms against what they replace, timed side by side (a standalone script, not a test).
+
+Three measurements, each interleaved repeat by repeat (drift on a shared machine hits every row
+alike), at every thread count asked for; ratios are computed from the medians of the same run:
+
+    prefill  q, k (1, 32, 4096, 128): ropekit.rms_norm_rotary_qk (out of place, in place) against
+             F.rms_norm of q and k then ropekit.apply_rotary_qk (the unfused composition), and
+             against the floors x.clone() (out of place) and x.mul_(1.0) (in place) of q and k
+    decode   k, v (16, 32, 1, 128) into caches (16, 32, 1024, 128): ropekit.rotate_into_cache
+             against ropekit.apply_rotary then two slice copies into the caches (rotate-then-copy);
+             timed 200 calls at a time
+    model    greedy decoding of a tiny random Qwen3 (4 layers, hidden 256, 8 heads, 4 kv heads,
+             head_dim 64): tokens/s unpatched, patched (transformers' default cache), patched with
+             ropekit's static cache, and unpatched with transformers' StaticCache
+
+Each row reports the median and the spread (interquartile range over the repeats, % of the
+median). Usage::
+
+    python benchmarks/fused.py [--repeats 30] [--threads 1 2] [--parts prefill decode model]
+        [--dtype bfloat16] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import ropekit
+
+
+def spread_pct(times: list[float]) -> float:
+    """Interquartile range as a percentage of the median."""
+    q = statistics.quantiles(times, n=4)
+    return 100.0 * (q[2] - q[0]) / statistics.median(times)
+
+
+def measure(fns: dict, repeats: int, calls: int = 1, warmup: int = 3) -> dict[str, tuple[float, float]]:
+    """``name -> (median seconds per call, spread %)``, the functions interleaved within every repeat."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: (statistics.median(ts), spread_pct(ts)) for name, ts in times.items()}
+
+
+def prefill(dtype: torch.dtype, repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 32, 4096, 128, generator=gen).to(dtype)
+    k = torch.randn(1, 32, 4096, 128, generator=gen).to(dtype)
+    wq, wk = (torch.randn(128, generator=gen) * 0.2 + 1).to(dtype), (torch.randn(128, generator=gen) * 0.2 + 1).to(dtype)
+    inv_freq, _ = ropekit.inv_frequencies(128, base=1e6)
+    cos, sin = ropekit.cos_sin(torch.arange(4096), inv_freq)
+    cos, sin = cos[None, None], sin[None, None]
+    t = measure({
+        "clone": lambda: (q.clone(), k.clone()),
+        "mul_": lambda: (q.mul_(1.0), k.mul_(1.0)),
+        "unfused": lambda: ropekit.apply_rotary_qk(F.rms_norm(q, (128,), wq, 1e-6), F.rms_norm(k, (128,), wk, 1e-6),
+                                                   cos, sin),
+        "fused": lambda: ropekit.rms_norm_rotary_qk(q, k, wq, wk, cos, sin, eps=1e-6),
+        "fused in place": lambda: ropekit.rms_norm_rotary_qk(q, k, wq, wk, cos, sin, eps=1e-6, inplace=True),
+    }, repeats)
+    return {"ms": {n: 1e3 * v[0] for n, v in t.items()}, "spread_pct": {n: v[1] for n, v in t.items()},
+            "fused_speedup_over_unfused": t["unfused"][0] / t["fused"][0],
+            "fused_vs_clone": t["clone"][0] / t["fused"][0],
+            "fused_in_place_vs_mul_": t["mul_"][0] / t["fused in place"][0]}
+
+
+def decode(dtype: torch.dtype, repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    batch, heads, length, dim, position = 16, 32, 1024, 128, 700
+    k = torch.randn(batch, heads, 1, dim, generator=gen).to(dtype)
+    v = torch.randn(batch, heads, 1, dim, generator=gen).to(dtype)
+    k_cache, v_cache = torch.zeros(batch, heads, length, dim, dtype=dtype), torch.zeros(batch, heads, length, dim,
+                                                                                         dtype=dtype)
+    inv_freq, _ = ropekit.inv_frequencies(dim)
+    cos, sin = ropekit.cos_sin(torch.tensor([position]), inv_freq)  # (1, half): every row at one position
+    starts = torch.full((batch,), position)
+
+    def rotate_then_copy():
+        k_cache[:, :, position:position + 1] = ropekit.apply_rotary(k, cos, sin)
+        v_cache[:, :, position:position + 1] = v
+
+    t = measure({
+        "rotate then copy": rotate_then_copy,
+        "rotate into cache": lambda: ropekit.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, position),
+        "rotate into cache, per-row slots": lambda: ropekit.rotate_into_cache(k, v, cos, sin, k_cache, v_cache,
+                                                                             starts),
+    }, repeats, calls=200)
+    return {"us": {n: 1e6 * v[0] for n, v in t.items()}, "spread_pct": {n: v[1] for n, v in t.items()},
+            "speedup": t["rotate then copy"][0] / t["rotate into cache"][0],
+            "speedup_per_row_slots": t["rotate then copy"][0] / t["rotate into cache, per-row slots"][0]}
+
+
+def tiny_qwen3(dtype: torch.dtype):
+    import transformers
+
+    config = transformers.Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                      max_position_embeddings=1024, pad_token_id=0, eos_token_id=None)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(config).eval().to(dtype)
+
+
+def model(dtype: torch.dtype, repeats: int) -> dict:
+    from transformers.cache_utils import StaticCache
+
+    from ropekit.integrations.transformers import patch, static_cache, unpatch
+
+    lm = tiny_qwen3(dtype)
+    prompt = torch.randint(1, 512, (1, 16), generator=torch.Generator().manual_seed(2))
+    new = 64
+    generate = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt))
+
+    def run(cache_factory=None):
+        with torch.no_grad():
+            lm.generate(prompt, past_key_values=cache_factory() if cache_factory else None, **generate)
+
+    def unpatched():
+        run()
+
+    def unpatched_static():
+        run(lambda: StaticCache(config=lm.config, max_cache_len=prompt.shape[1] + new))
+
+    def patched():
+        patch(lm)
+        try:
+            run()
+        finally:
+            unpatch(lm)
+
+    def patched_static():
+        patch(lm)
+        try:
+            run(lambda: static_cache(lm, prompt.shape[1] + new))
+        finally:
+            unpatch(lm)
+
+    t = measure({"unpatched": unpatched, "patched": patched, "unpatched, StaticCache": unpatched_static,
+                 "patched, ropekit static cache": patched_static}, repeats, warmup=1)
+    return {"tokens_per_s": {n: new / v[0] for n, v in t.items()}, "spread_pct": {n: v[1] for n, v in t.items()},
+            "patched_vs_unpatched": t["unpatched"][0] / t["patched"][0],
+            "patched_static_vs_unpatched_static": t["unpatched, StaticCache"][0] / t["patched, ropekit static cache"][0]}
+
+
+def main() -> None:
+    """Run the parts asked for at every thread count; print one JSON object (or a readable block) per result."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--parts", nargs="+", choices=["prefill", "decode", "model"],
+                        default=["prefill", "decode", "model"])
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    if "cpu" not in ropekit.ops.available():  # builds the kernel first if needed
+        raise SystemExit("the CPU kernel is not available here")
+    parts = {"prefill": prefill, "decode": decode, "model": model}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for part in args.parts:
+            repeats = max(5, args.repeats // 3) if part == "model" else args.repeats
+            result = {"part": part, "dtype": args.dtype, "threads": threads, **parts[part](dtype, repeats)}
+            if args.json:
+                print(json.dumps(result), flush=True)
+            else:
+                print(json.dumps(result, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
