@@ -276,13 +276,6 @@ struct RowGroup {
         }
         return g;
     }
-
-    // ask for the rows' lines while the previous group is computed
-    void prefetch(int64_t head_dim) const {
-        const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(T));
-        for (int q = 0; q < 4; q++)
-            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char *>(x[q]) + b, 0, 3);
-    }
 };
 
 // The normalising row function (NormFn of cpu_jobs.h): rows [row_begin, row_end) of params.
@@ -294,15 +287,9 @@ int norm_rotate_rows(void *x, void *out, const void *cos, const void *sin, const
     const bool interleaved = (r.flags & FLAG_INTERLEAVED) != 0;
     const CT *gains = static_cast<const CT *>(na->gains);
     int64_t row = row_begin;
-    if (na->heads == 1 && row + 4 <= row_end) {  // one norm per row: four rows at a time, the next four fetched
-        RowGroup<T, CT> group = RowGroup<T, CT>::take(&r, x, out, cos, sin);
-        for (;;) {
-            const bool more = row + 8 <= row_end;
-            RowGroup<T, CT> next;
-            if (more) {
-                next = RowGroup<T, CT>::take(&r, x, out, cos, sin);
-                next.prefetch(r.head_dim);
-            }
+    if (na->heads == 1) {  // one norm per row: four rows at a time (their sums and square roots overlap)
+        for (; row + 4 <= row_end; row += 4) {
+            const RowGroup<T, CT> group = RowGroup<T, CT>::take(&r, x, out, cos, sin);
             typename Lanes<T>::type acc[4][8] = {};
             sum_squares4(group.x, r.head_dim, acc);
             CT inv[4];
@@ -310,9 +297,6 @@ int norm_rotate_rows(void *x, void *out, const void *cos, const void *sin, const
             for (int q = 0; q < 4; q++)
                 norm_rotate_head(group.x[q], group.out[q], group.cos[q], group.sin[q], gains, inv[q], r.h, r.head_dim,
                                  interleaved);
-            row += 4;
-            if (!more) break;
-            group = next;
         }
     }
     for (; row < row_end; row++, rows_next(&r)) {

@@ -195,4 +195,23 @@ static int64_t f32_inter_simd(const float *x, float *o, const float *c, const fl
 #define ROPEKIT_SIMD 0
 #endif
 
+/* Rows written far apart (a KV cache's slots) go out with non-temporal stores where the row is
+   32-byte aligned: no read of the destination lines first, which cuts the memory traffic of a
+   scattered write (the lines are not wanted in the cache: attention reads them much later). */
+#define ROPEKIT_STREAM_MAX_BYTES 1024 /* rows up to this size are staged (4 at a time) and streamed */
+#if ROPEKIT_SIMD
+static inline void ropekit_stream_row(void *dst, const void *src, int64_t bytes) {
+    if (((uintptr_t)dst & 31) == 0 && (bytes & 31) == 0) {
+        for (int64_t b = 0; b < bytes; b += 32)
+            _mm256_stream_si256((__m256i *)((char *)dst + b), _mm256_loadu_si256((const __m256i *)((const char *)src + b)));
+        return;
+    }
+    memcpy(dst, src, (size_t)bytes);
+}
+static inline void ropekit_stream_fence(void) { _mm_sfence(); /* streamed rows visible before returning */ }
+#else
+static inline void ropekit_stream_row(void *dst, const void *src, int64_t bytes) { memcpy(dst, src, (size_t)bytes); }
+static inline void ropekit_stream_fence(void) {}
+#endif
+
 #endif /* ROPEKIT_ROTARY_AVX2_H */

@@ -245,27 +245,6 @@ static void NAME##_rows4(T *x, T *o, int64_t xs, int64_t os, const CT *c, const 
     }                                                                                         \
 }
 
-/* Rows written far apart (a KV cache's slots) go out with non-temporal stores where the row is
-   32-byte aligned: no read of the destination lines first, which halves the memory traffic of a
-   scattered write (the lines are not wanted in the cache: attention reads them much later). */
-#define ROPEKIT_STREAM_MAX_BYTES 1024 /* rows up to this size are staged (4 at a time) and streamed */
-static inline void ropekit_stream_row(void *dst, const void *src, int64_t bytes) {
-#if ROPEKIT_SIMD
-    if (((uintptr_t)dst & 31) == 0 && (bytes & 31) == 0) {
-        for (int64_t b = 0; b < bytes; b += 32)
-            _mm256_stream_si256((__m256i *)((char *)dst + b), _mm256_loadu_si256((const __m256i *)((const char *)src + b)));
-        return;
-    }
-#endif
-    memcpy(dst, src, (size_t)bytes);
-}
-
-static inline void ropekit_stream_fence(void) {
-#if ROPEKIT_SIMD
-    _mm_sfence(); /* the streamed rows are visible before the call returns */
-#endif
-}
-
 /* ---- walking the rows: an odometer over the leading dims, four offsets kept in step ---- */
 
 typedef struct {
