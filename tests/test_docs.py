@@ -26,3 +26,15 @@ def test_readme_api_example_runs():
     q_rot, k_rot = namespace["q_rot"], namespace["k_rot"]
     assert q_rot.shape == (300, 32, 128) and k_rot.shape == (300, 8, 128)
     assert torch.isfinite(q_rot).all() and not torch.equal(q_rot, namespace["packed_q"])
+
+
+def test_readme_fused_example_runs_and_writes_the_slots():
+    text = README.read_text(encoding="utf-8")
+    code = python_blocks(text[text.index("## Fused"):])[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md (Fused)", "exec"), namespace)  # noqa: S102 - our own documentation
+    k_cache, lengths, k_new = namespace["k_cache"], namespace["lengths"], namespace["k_new"]
+    for row, length in enumerate(lengths.tolist()):
+        assert k_cache[row, :, length].abs().sum() > 0 and not k_cache[row, :, length + 1:].any()
+        assert torch.allclose(k_cache[row, :, length].norm(dim=-1), k_new[row, :, 0].norm(dim=-1), rtol=1e-5)
+    assert namespace["q_out"].shape == (1, 512, 32, 128)

@@ -176,3 +176,37 @@ def test_torch_compile_runs_the_patched_model_without_deferring():
         out = compiled(IDS).logits
     unpatch(model)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("family", "norm_class", "bound"), [("qwen3", "Qwen3RMSNorm", 2.0),
+                                                              ("gemma3", "Gemma3RMSNorm", 1.0),
+                                                              ("olmo2", "Olmo2RMSNorm", 1.0)])
+def test_bfloat16_fused_norm_against_each_family_s_own_norm(family, norm_class, bound):
+    """The model's norm module then ropekit's rotation vs the fused op: Qwen3's norm rounds twice (<= 2 ulps
+    at the pair's magnitude), Gemma 3's and OLMo 2's once (<= 1)."""
+    import importlib
+
+    import ropekit
+    from fused_helpers import normalized64, radius_ulps
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    gen = torch.Generator().manual_seed(7)
+    heads, d = 4, 64
+    per_token = family == "olmo2"
+    norm = getattr(module, norm_class)(heads * d if per_token else d, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(norm.weight.shape, generator=gen) * 0.3 + (0.0 if family == "gemma3" else 1.0))
+    norm = norm.to(torch.bfloat16)
+    x = (torch.randn(2, 64, heads, d, generator=gen) * 3).to(torch.bfloat16)  # (batch, seq, heads, dim)
+    inv_freq, _ = ropekit.inv_frequencies(d, base=1e6)
+    cos, sin = ropekit.cos_sin(torch.arange(64) + 3000, inv_freq)
+    cos, sin = cos[:, None], sin[:, None]
+    with torch.no_grad():
+        own = norm(x.flatten(-2)).view_as(x) if per_token else norm(x)
+        theirs = ropekit.apply_rotary(own, cos, sin)
+        weight = norm.weight.view(heads, d) if per_token else norm.weight
+        offset = 1.0 if family == "gemma3" else 0.0
+        fused = ropekit.rms_norm_rotary(x, weight, cos, sin, eps=1e-6, weight_offset=offset,
+                                        norm="per_token" if per_token else "per_head")
+    y64 = normalized64(x, weight, eps=1e-6, weight_offset=offset, per_token=per_token)
+    assert radius_ulps(fused, theirs, y64, d, "half").max() <= bound
