@@ -232,7 +232,7 @@ void rotate_into_cache(const Tensor &k, const Tensor &v, const Tensor &cos, cons
                 "ropekit_cpu: k, v and the caches do not have the shapes of the ", paged ? "paged" : "contiguous",
                 " layout");
     const Tensor k_in = unit_channels(k), v_in = unit_channels(v);
-    const int64_t flags = flags_of(interleaved, false, true);
+    const int64_t flags = flags_of(interleaved, false, true) | FLAG_STREAM;  // slots far apart: streamed
     Norm norm;  // per token: over the kv_heads axis (1 of k) and the channels
     if (eps.has_value()) norm = make_norm(k_in, k_weight, *eps, offset, per_token ? 1 : -1);
     Jobs jobs;

@@ -22,7 +22,7 @@
  *   params (int64, element units):
  *     [0] L, the number of leading dims (0..8); rows are their C-order flattening
  *     [1] h, rotary half width           [2] head_dim
- *     [3] flags: 1 interleaved, 2 conjugate, 4 copy tail
+ *     [3] flags: 1 interleaved, 2 conjugate, 4 copy tail, 8 stream rows written far apart
  *     [4..7] last-dim strides of x, out, cos, sin: must be 1
  *     [8 .. 8+L)  sizes of the leading dims
  *     then L strides each for x, out, cos, sin (0 where cos/sin broadcast)
@@ -47,6 +47,7 @@
 #define FLAG_INTERLEAVED 1
 #define FLAG_CONJUGATE 2
 #define FLAG_COPY_TAIL 4
+#define FLAG_STREAM 8 /* rows written far apart (a KV cache's slots): stream them (see rotary_avx2.h) */
 
 /* ---- element conversions (bit manipulation, branch-free so loops still vectorise) ---- */
 
@@ -325,7 +326,7 @@ static int ropekit_rotate_##NAME(void *x, void *out, const void *cos, const void
     const int64_t sc = r.ndim > 0 ? r.stride[2][last] : 0, ss = r.ndim > 0 ? r.stride[3][last] : 0; \
     /* rows written far apart (a KV cache's slots), copied tail included: staged and streamed */ \
     T stage[4 * ROPEKIT_STREAM_MAX_BYTES / sizeof(T)];                                        \
-    const int far = ROPEKIT_SIMD && !inplace && (r.flags & FLAG_COPY_TAIL) &&                 \
+    const int far = ROPEKIT_SIMD && !inplace && (r.flags & FLAG_STREAM) && (r.flags & FLAG_COPY_TAIL) && \
                     r.head_dim * (int64_t)sizeof(T) <= ROPEKIT_STREAM_MAX_BYTES &&            \
                     (so > 2 * r.head_dim || so < -2 * r.head_dim);                            \
     for (int64_t row = row_begin; row < row_end;) {                                           \
