@@ -211,3 +211,30 @@ def test_fused_kernels_compile_for_sm90(tmp_path):
     if done.stdout.startswith("SKIP"):
         pytest.skip(done.stdout)
     assert done.stdout.split() == ["compiled", "21"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_fused_kernels_match_the_cpu(monkeypatch, launches):
+    """On a GPU (rounding to nearest): within 1 ulp at the pair's magnitude of the unfused composition."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = torch.Generator().manual_seed(11)
+    q = (torch.randn(2, 64, 8, 128, generator=gen) * 3).to(torch.bfloat16)
+    k = (torch.randn(2, 64, 2, 128, generator=gen) * 3).to(torch.bfloat16)
+    wq = torch.randn(128, generator=gen).to(torch.bfloat16)
+    wk = torch.randn(128, generator=gen).to(torch.bfloat16)
+    cos, sin = tables(128, torch.arange(64))
+    cos, sin = cos[:, None], sin[:, None]
+    got = ropekit.rms_norm_rotary_qk(q.cuda(), k.cuda(), wq.cuda(), wk.cuda(), cos.cuda(), sin.cuda(), eps=1e-6,
+                                     weight_offset=1.0)
+    assert launches
+    for x, w, out in ((q, wq, got[0]), (k, wk, got[1])):
+        want = unfused(x, w, cos, sin, eps=1e-6, layout="half", weight_offset=1.0)
+        y64 = normalized64(x, w, eps=1e-6, weight_offset=1.0)
+        assert radius_ulps(out.cpu(), want, y64, 128, "half").max() <= 1.0
+    k_cache, v_cache = torch.zeros(2, 2, 96, 128, device="cuda"), torch.zeros(2, 2, 96, 128, device="cuda")
+    kt, vt = k.float().transpose(1, 2).cuda(), k.float().transpose(1, 2).cuda()
+    ropekit.rotate_into_cache(kt, vt, cos.transpose(0, 1).cuda(), sin.transpose(0, 1).cuda(), k_cache, v_cache,
+                              torch.tensor([0, 32], device="cuda"))
+    want = ropekit.apply_rotary(kt.cpu(), cos.transpose(0, 1), sin.transpose(0, 1))
+    torch.testing.assert_close(k_cache[0, :, :64].cpu(), want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_cache[1, :, 32:].cpu(), want[1], rtol=1e-6, atol=1e-6)

@@ -49,7 +49,7 @@ def _signature(tensors: tuple, options: tuple) -> tuple | None:
     for t in tensors:
         if t is None:
             key.append(None)
-        elif type(t) is not Tensor or t.layout is not torch.strided:
+        elif type(t) not in (Tensor, torch.nn.Parameter) or t.layout is not torch.strided:  # weights: parameters
             return None
         else:
             key += [t.shape, t.stride(), t.dtype, t.device]
@@ -177,7 +177,7 @@ def rms_norm_rotary_qk(
     name = resolve(backend, q.device.type)
     call = dict(eps=eps, weight_offset=weight_offset, per_token=per_token, layout=layout, backend=name,
                 inplace=inplace)
-    if key is not None and operators_fused.direct(*(t for t in (q, k, q_weight, k_weight, cos, sin) if t is not None)):
+    if key is not None and operators_fused.direct_with_weights(q, k, cos, sin, weights=(q_weight, k_weight)):
         kernel = get_backend(name)
         options_of_kernel = {n: v for n, v in call.items() if n != "backend"}
         if len(_prepared) >= _PREPARED_MAX:

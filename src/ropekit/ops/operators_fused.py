@@ -132,14 +132,22 @@ _rms_norm_rotate_pair.register_autograd(_backward_pair, setup_context=_setup_pai
 
 
 # -- what ropekit.fused calls (arguments validated there) ---------------------------------------------
-def _present(*tensors: Tensor | None) -> tuple[Tensor, ...]:
-    return tuple(t for t in tensors if t is not None)
+def direct_with_weights(*tensors: Tensor, weights: tuple = ()) -> bool:
+    """Nothing for the operators to do: :func:`.operators.direct` for the tensors, and no gradient to record.
+
+    The weights may also be ``nn.Parameter`` (a module's weight: nothing a kernel must know about).
+    """
+    if not direct(*tensors):
+        return False
+    grad = torch.is_grad_enabled()
+    return all(w is None or (type(w) in (Tensor, torch.nn.Parameter) and not (grad and w.requires_grad))
+               for w in weights)
 
 
 def rms_norm_rotate(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, *, eps: float, weight_offset: float,
                     per_token: bool, layout: str, backend: str, inplace: bool) -> Tensor:
     """Normalise and rotate ``x`` on ``backend`` (a resolved name); in place only without autograd."""
-    if direct(*_present(x, weight, cos, sin)):
+    if direct_with_weights(x, cos, sin, weights=(weight,)):
         return dispatch.get(backend).rms_norm_rotate(x, weight, cos, sin, inplace=inplace,
                                                      **_norm_options(eps, weight_offset, per_token, layout))
     args = (cos, sin, eps, weight_offset, per_token, layout, backend)
@@ -153,7 +161,7 @@ def rms_norm_rotate_pair(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight
                          sin: Tensor, *, eps: float, weight_offset: float, per_token: bool, layout: str, backend: str,
                          inplace: bool) -> tuple[Tensor, Tensor]:
     """:func:`rms_norm_rotate` of q and k in one call."""
-    if direct(*_present(q, k, q_weight, k_weight, cos, sin)):
+    if direct_with_weights(q, k, cos, sin, weights=(q_weight, k_weight)):
         return dispatch.get(backend).rms_norm_rotate_pair(q, k, q_weight, k_weight, cos, sin, inplace=inplace,
                                                           **_norm_options(eps, weight_offset, per_token, layout))
     args = (cos, sin, eps, weight_offset, per_token, layout, backend)
@@ -167,7 +175,8 @@ def rotate_into_cache(k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: T
                       slots: Tensor | None, start: int, *, k_weight: Tensor | None, eps: float | None,
                       weight_offset: float, per_token: bool, block_size: int, layout: str, backend: str) -> None:
     """Keys rotated (normalised first with ``eps``) and values copied into the cache slots, one pass."""
-    if direct(*_present(k, v, cos, sin, k_cache, v_cache, slots, k_weight)):
+    tensors = (k, v, cos, sin, k_cache, v_cache, *(() if slots is None else (slots,)))
+    if direct_with_weights(*tensors, weights=(k_weight,)):
         dispatch.get(backend).rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight,
                                                 eps=eps, weight_offset=weight_offset, per_token=per_token,
                                                 block_size=block_size, layout=layout)

@@ -336,6 +336,9 @@ static int ropekit_rotate_##NAME(void *x, void *out, const void *cos, const void
         const CT *cr = (const CT *)cos + r.offset[2], *sr = (const CT *)sin + r.offset[3];    \
         if (sc == 0 && ss == 0 && n >= 4) {                                                   \
             int64_t j = 0;                                                                    \
+            for (; j + 4 <= n && far && h == 0; j += 4, xr += 4 * sx, orow += 4 * so)     \
+                for (int q = 0; q < 4; q++) /* nothing to rotate (values): streamed as they are */ \
+                    ropekit_stream_row(orow + q * so, xr + q * sx, r.head_dim * (int64_t)sizeof(T)); \
             for (; j + 4 <= n && far; j += 4, xr += 4 * sx, orow += 4 * so) {                 \
                 /* staged in L1, four rows at a time, then streamed to their slots */         \
                 NAME##_rows4(xr, stage, sx, r.head_dim, cr, sr, h, sg, interleaved, 0);       \
