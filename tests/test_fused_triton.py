@@ -238,3 +238,16 @@ def test_cuda_fused_kernels_match_the_cpu(monkeypatch, launches):
     want = ropekit.apply_rotary(kt.cpu(), cos.transpose(0, 1), sin.transpose(0, 1))
     torch.testing.assert_close(k_cache[0, :, :64].cpu(), want[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k_cache[1, :, 32:].cpu(), want[1], rtol=1e-6, atol=1e-6)
+
+
+def test_jitted_kernels_know_their_constexpr_arguments(monkeypatch):
+    """A launch on a GPU compiles the tile sizes and flags as constants: the jitted copies of the kernels
+    must keep the ``tl.constexpr`` annotations (tl.arange needs them), which a bare function copy drops."""
+    from ropekit.ops import triton_kernel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for jitted, source in ((triton_fused._jit(False)[0], triton_fused._forward_kernel),
+                           (triton_fused._jit(False)[1], triton_fused._backward_kernel),
+                           (triton_kernel._jit(False), triton_kernel._rotary_kernel)):
+        annotated = {name for name, kind in source.__annotations__.items() if "constexpr" in str(kind)}
+        assert annotated and {jitted.arg_names[i] for i in jitted.constexprs} == annotated

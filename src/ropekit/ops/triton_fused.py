@@ -13,7 +13,7 @@ One forward kernel serves every form, each a flag of the same code path:
 Tensors are seen as ``(batch, seq, heads, channels)`` through four strides. A program holds a
 ``BLOCK_S x BLOCK_H x BLOCK_R`` tile (tokens x heads x pairs) and the tail channels past
 ``rotary_dim``, so each element is read once and written once; the norm's sum of squares is a
-``tl.sum`` over the tile in float64 (the squares of float32 values are exact there), and
+reduction over the tile in float64 (the squares of float32 values are exact there), and
 ``r = 1 / sqrt(ms + eps)`` is computed in float64 and rounded once (as on the CPU; no ``rsqrt``
 approximation), and the rotation is the one of
 :mod:`.triton_kernel`. The backward kernel recomputes ``r`` and writes each program's share of the
@@ -42,12 +42,21 @@ def _tile(X, sx, b, s_idx, h_idx, first, second, tail, mask, tail_mask):
     return x1, x2, xt
 
 
+def _add(a, b):
+    """The reductions' combine function.
+
+    Jitted with the kernels, for the mode they run in: ``tl.sum`` is jitted once, when Triton is
+    imported, for that mode, and one process may run both (the tests do).
+    """
+    return a + b
+
+
 def _inv_rms(x1, x2, xt, n, eps, PER_TOKEN: tl.constexpr):
     """``1 / sqrt(mean(x^2) + eps)`` per row (per token: over its heads), in float64, as float32 ``[S, H, 1]``."""
     a, b, t = x1.to(tl.float64), x2.to(tl.float64), xt.to(tl.float64)
-    squares = tl.sum(a * a, 2) + tl.sum(b * b, 2) + tl.sum(t * t, 2)
+    squares = tl.reduce(a * a, 2, _add) + tl.reduce(b * b, 2, _add) + tl.reduce(t * t, 2, _add)
     if PER_TOKEN:
-        squares = tl.sum(squares, 1, keep_dims=True)
+        squares = tl.reduce(squares, 1, _add, keep_dims=True)
     return (1.0 / tl.sqrt(squares / n + eps)).to(tl.float32)[:, :, None]
 
 
@@ -162,9 +171,9 @@ def _backward_kernel(
         g1 = 1.0
         g2 = 1.0
         gt = 1.0
-    dot = tl.sum(gy1 * g1 * x1, 2) + tl.sum(gy2 * g2 * x2, 2) + tl.sum(gyt * gt * xt, 2)
+    dot = tl.reduce(gy1 * g1 * x1, 2, _add) + tl.reduce(gy2 * g2 * x2, 2, _add) + tl.reduce(gyt * gt * xt, 2, _add)
     if PER_TOKEN:
-        dot = tl.sum(dot, 1, keep_dims=True)
+        dot = tl.reduce(dot, 1, _add, keep_dims=True)
     coef = inv * inv * inv * (dot / n)[:, :, None]
     o = GRAD_X + b * so_b + s_idx[:, None, None] * so_s + h_idx[None, :, None] * so_h
     tl.store(o + first[None, None, :] * so_d, (inv * (gy1 * g1) - x1 * coef).to(GRAD_X.dtype.element_ty), mask=mask)
@@ -174,23 +183,27 @@ def _backward_kernel(
     if HAS_GAINS:
         part = PARTIAL + pid * partial_stride + h_idx[:, None] * sw_h
         head_ok = (h_idx < heads)[:, None]
-        tl.store(part + first[None, :], tl.sum(gy1 * x1 * inv, 0), mask=head_ok & (pairs < rotary_half)[None, :])
-        tl.store(part + second[None, :], tl.sum(gy2 * x2 * inv, 0), mask=head_ok & (pairs < rotary_half)[None, :])
-        tl.store(part + tail[None, :], tl.sum(gyt * xt * inv, 0), mask=head_ok & (tail < head_dim)[None, :])
+        pair_ok = head_ok & (pairs < rotary_half)[None, :]
+        tl.store(part + first[None, :], tl.reduce(gy1 * x1 * inv, 0, _add), mask=pair_ok)
+        tl.store(part + second[None, :], tl.reduce(gy2 * x2 * inv, 0, _add), mask=pair_ok)
+        tl.store(part + tail[None, :], tl.reduce(gyt * xt * inv, 0, _add), mask=head_ok & (tail < head_dim)[None, :])
 
 
 @functools.cache
 def _jit(interpret: bool):
     """The jitted kernels (decided per mode, as :func:`ropekit.ops.triton_kernel._jit` explains)."""
     del interpret
-    helpers = dict(_tile=triton.jit(_tile), _inv_rms=triton.jit(_inv_rms))
-    kernels = []
-    for fn in (_forward_kernel, _backward_kernel):
-        scope = dict(fn.__globals__, **helpers)
-        copy = type(fn)(fn.__code__, scope, fn.__name__, fn.__defaults__)
-        copy.__module__, copy.__qualname__, copy.__doc__ = fn.__module__, fn.__qualname__, fn.__doc__
-        kernels.append(triton.jit(copy))
-    return tuple(kernels)
+    add = triton.jit(_add)
+    helpers = dict(_tile=triton.jit(_tile), _inv_rms=triton.jit(_with_scope(_inv_rms, _add=add)), _add=add)
+    return tuple(triton.jit(_with_scope(fn, **helpers)) for fn in (_forward_kernel, _backward_kernel))
+
+
+def _with_scope(fn, **names):
+    """``fn`` seeing ``names`` (the jitted helpers) in its globals; annotations kept (tl.constexpr)."""
+    copy = type(fn)(fn.__code__, dict(fn.__globals__, **names), fn.__name__, fn.__defaults__)
+    copy.__module__, copy.__qualname__, copy.__doc__ = fn.__module__, fn.__qualname__, fn.__doc__
+    copy.__annotations__ = dict(fn.__annotations__)
+    return copy
 
 
 # -- launchers: tensors as (batch, seq, heads, channels) -------------------------------------------------

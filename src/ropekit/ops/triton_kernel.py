@@ -182,6 +182,7 @@ def _jit(interpret: bool):
     kernel.__module__ = _rotary_kernel.__module__
     kernel.__qualname__ = _rotary_kernel.__qualname__
     kernel.__doc__ = _rotary_kernel.__doc__
+    kernel.__annotations__ = dict(_rotary_kernel.__annotations__)  # which arguments are tl.constexpr
     return triton.jit(kernel)
 
 
