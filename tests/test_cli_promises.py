@@ -68,7 +68,7 @@ def bad_command_lines(h) -> dict[tuple[str, ...], str]:
     return {
         ("train", "--steps", "0"): "--steps: expected an integer >= 1, got '0'",
         ("train", "--quick", "--out", str(h["under_file"])): "lies under the file",
-        ("train", "--encoding", "alibi"): "invalid choice: 'alibi'",
+        ("train", "--encoding", "t5-bias"): "invalid choice: 't5-bias'",
         ("extrapolate", "--out", str(h["file"])): "must be a directory",
         ("extrapolate", "--context", "1"): "--context: expected an integer >= 2",
         ("report", "--quick", "--out", str(h["under_file"] / "deeper")): "lies under the file",

@@ -140,7 +140,8 @@ def test_extrapolate_reports_learned_as_not_applicable(tmp_path, capsys):
     assert extrapolate.run(args) == 0
     data = json.loads((tmp_path / "extrapolation.json").read_text())
     assert data["lengths"] == [8, 16, 32, 64]
-    assert set(data["val_loss"]) == {"rope", "rope+linear", "rope+ntk", "rope+yarn", "sinusoidal", "learned", "none"}
+    assert set(data["val_loss"]) == {"rope", "rope+linear", "rope+ntk", "rope+yarn", "sinusoidal", "learned", "none",
+                                     "xpos", "alibi", "p-rope", "partial-rope"}
     assert data["val_loss"]["learned"][0] is not None and data["val_loss"]["learned"][1:] == [None, None, None]
     rope = data["val_loss"]
     assert all(rope[name][0] == rope["rope"][0] for name in ("rope+linear", "rope+ntk", "rope+yarn"))
