@@ -98,6 +98,8 @@ def test_command_line_errors_are_one_line_and_exit_2(three_runs, tmp_path, capsy
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("ropekit.lab.spread: error: ") and words in err, err
     assert spread.main([str(tmp_path / "o3"), str(three_runs[0])]) == 2 and "usage" in capsys.readouterr().err
+    assert spread.main(["--rows", "rope,yarn", str(tmp_path / "o3"), *map(str, three_runs)]) == 2
+    assert "--rows: yarn not among the runs' rows rope, learned" in capsys.readouterr().err
     assert not any((tmp_path / name).exists() for name in ("o1", "o2", "o3"))
     assert not (three_runs[0] / "inside").exists()
     file_out = tmp_path / "a-file"
@@ -116,7 +118,8 @@ def test_real_runs_end_to_end(tmp_path, capsys):
                      "--finetune-steps", "0", "--encodings", "rope,alibi,learned")
         assert extrapolate.run(args) == 0
     capsys.readouterr()
-    done = subprocess.run([sys.executable, "-m", "ropekit.lab.spread", str(tmp_path / "table"), *map(str, folders)],
+    done = subprocess.run([sys.executable, "-m", "ropekit.lab.spread", "--rows", "rope,alibi", str(tmp_path / "table"),
+                           *map(str, folders)],
                           capture_output=True, text=True, timeout=120, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     table = json.loads((tmp_path / "table" / "spread.json").read_text())

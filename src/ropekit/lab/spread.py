@@ -1,12 +1,13 @@
 """The extrapolation table over several seeds: mean and spread of ``ropekit extrapolate`` runs.
 
-``python -m ropekit.lab.spread OUT RUN [RUN ...]`` reads ``extrapolation.json`` from each RUN
+``python -m ropekit.lab.spread [--rows A,B,...] OUT RUN [RUN ...]`` reads ``extrapolation.json`` from each RUN
 folder (checking, as :func:`ropekit.lab.train.load_results` does, that it describes the model
 files beside it), requires the runs to differ in their seed only, and writes into OUT:
 ``spread.json`` (per row: the values of each seed, their mean and sample standard deviation),
 ``spread.md`` (the Markdown table ``mean ± std``) and ``spread.png`` (mean with ±1 std bars
-against the evaluation length). It prints the table. Bad input (a missing or inconsistent run,
-OUT inside a RUN) ends with one line on stderr and exit code 2; each file is written atomically.
+against the evaluation length; ``--rows`` limits it to some rows). It prints the table. Bad
+input (a missing or inconsistent run, OUT inside a RUN) ends with one line on stderr and exit
+code 2; each file is written atomically.
 """
 
 from __future__ import annotations
@@ -112,35 +113,46 @@ def spread_png(table: dict, title: str, rows: list[str] | None = None) -> bytes:
     return buffer.getvalue()
 
 
-def write(out: str | Path, folders: list[str | Path]) -> dict:
-    """Read the runs, write ``spread.json``, ``spread.md`` and ``spread.png`` into ``out``; return the table."""
+def write(out: str | Path, folders: list[str | Path], rows: list[str] | None = None) -> dict:
+    """Read the runs, write ``spread.json``, ``spread.md`` and ``spread.png`` into ``out``; return the table.
+
+    ``rows`` limits the figure to those rows (the table and JSON keep them all).
+    """
     out = Path(out)
     for folder in folders:
         inside = out.resolve() == Path(folder).resolve() or Path(folder).resolve() in out.resolve().parents
         if inside:
             raise ValueError(f"OUT {str(out)!r} lies in the run {str(folder)!r}: choose a folder of its own")
     table = spread(load_runs(folders))
+    unknown = [name for name in rows or () if name not in table["rows"]]
+    if unknown:
+        raise ValueError(f"--rows: {', '.join(unknown)} not among the runs' rows {', '.join(table['rows'])}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"OUT {str(out)!r} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     seeds = ", ".join(map(str, table["seeds"]))
     title = (f"trained at {table['train_context']} chars ({table['attention']} attention), mean ± std over seeds "
              f"{seeds}")
-    write_bytes_atomic(out / "spread.png", spread_png(table, title))
+    write_bytes_atomic(out / "spread.png", spread_png(table, title, rows))
     write_bytes_atomic(out / "spread.md", markdown(table).encode())
     write_bytes_atomic(out / "spread.json", (json.dumps(table, indent=2, allow_nan=False) + "\n").encode())
     return table
 
 
+USAGE = "usage: python -m ropekit.lab.spread [--rows A,B,...] OUT RUN RUN [RUN ...]   (RUN: an extrapolate --out)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ropekit.lab.spread OUT RUN [RUN ...]``; 0 on success, 2 with one line on stderr for bad input."""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 3 or argv[0].startswith("-"):
-        print("usage: python -m ropekit.lab.spread OUT RUN RUN [RUN ...]   (RUN: an extrapolate --out folder)",
-              file=sys.stderr)
+    """``python -m ropekit.lab.spread [--rows LIST] OUT RUN [RUN ...]``; 0, or 2 with one line on stderr."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rows = None
+    if argv[:1] == ["--rows"] and len(argv) > 1:
+        rows, argv = [name for name in argv[1].split(",") if name], argv[2:]
+    if len(argv) < 3 or any(arg.startswith("-") for arg in argv):
+        print(USAGE, file=sys.stderr)
         return 2
     try:
-        table = write(argv[0], argv[1:])
+        table = write(argv[0], argv[1:], rows)
     except (ValueError, OSError) as exc:
         print(f"ropekit.lab.spread: error: {exc}", file=sys.stderr)
         return 2
