@@ -309,3 +309,21 @@ def test_chunk_size_is_checked():
         RotaryLinearAttention(8, 2, causal=True, chunk_size=0)
     with pytest.raises(TypeError, match="chunk_size"):
         RotaryLinearAttention(8, 2, causal=True, chunk_size=2.0)
+
+
+@pytest.mark.parametrize("seq", [5, 8, 13])  # one chunk covering the sequence, exactly one, several
+def test_gradients_agree_on_every_backend(seq):
+    """One chunk over the whole sequence hands the rotation a transposed gradient: still exact on each backend."""
+    available = ropekit.ops.available()
+    torch.manual_seed(0)
+    reference = RotaryLinearAttention(16, 2, causal=True, chunk_size=8)
+    reference.rope.backend = "torch"
+    x = torch.randn(3, seq, 16)
+    reference(x).square().sum().backward()
+    for backend in [b for b in ("cpu", "triton") if b in available]:
+        module = RotaryLinearAttention(16, 2, causal=True, chunk_size=8)
+        module.load_state_dict(reference.state_dict())
+        module.rope.backend = backend
+        module(x).square().sum().backward()
+        for got, want in zip(module.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
