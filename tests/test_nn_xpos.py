@@ -68,7 +68,10 @@ def test_matches_the_paper_formula(data, head_dim, layout, seq, scale_base, cent
         for got, x, key in ((got_q, q, False), (got_k, k, True)):
             expected = xpos_by_hand(x[0, h], positions, key=key, rotary_dim=rotary_dim, layout=layout,
                                     scale_base=scale_base, center=center)
-            torch.testing.assert_close(got[0, h], expected, atol=ORACLE_ATOL, rtol=2e-6)
+            # the float32 tables err by ~6e-8 of a pair's size, and a key's pair can be large (zeta^(-m/B))
+            # while one of its channels nearly cancels: bound the error by each row's size
+            error = (got[0, h] - expected).abs()
+            assert (error <= ORACLE_ATOL * (1 + expected.abs().amax(-1, keepdim=True))).all(), error.max()
 
 
 @settings(max_examples=20, deadline=None)
@@ -83,20 +86,20 @@ def test_score_is_zeta_weighted_rope_and_depends_on_the_distance_only(n, m, shif
     inv_freq = torch.tensor([10000.0 ** (-2.0 * i / d) for i in range(d // 2)], dtype=torch.float64)
     rq = ropekit.apply_reference(q[0, 0], torch.tensor([n]), inv_freq, layout=layout)[0]
     rk = ropekit.apply_reference(k[0, 0], torch.tensor([m]), inv_freq, layout=layout)[0]
-    expected = 0.0
+    expected = magnitude = 0.0  # magnitude: the sum of the terms' sizes, what rounding is relative to
     for i in range(d // 2):
         zeta = (2.0 * i / d + 0.4) / 1.4
         a, b = pair_channels(i, d, layout)
         expected += zeta ** ((n - m) / 512.0) * float(rq[a] * rk[a] + rq[b] * rk[b])
+        magnitude += zeta ** ((n - m) / 512.0) * float(rq[[a, b]].norm() * rk[[a, b]].norm())
     scores = []
     for offset, c in ((0, 0), (shift, center)):
         xpos = XPosEmbedding(d, layout=layout, center=c)
         q_out, _ = xpos(q, q, torch.tensor([n + offset]))
         _, k_out = xpos(k, k, torch.tensor([m + offset]))
         scores.append(float((q_out * k_out).sum()))
-    scale = float(q.norm() * k.norm())
-    assert abs(scores[0] - expected) <= 1e-5 * scale
-    assert abs(scores[1] - scores[0]) <= 2e-5 * scale
+    assert abs(scores[0] - expected) <= 1e-5 * magnitude
+    assert abs(scores[1] - scores[0]) <= 2e-5 * magnitude
 
 
 def test_the_fastest_pair_decays_most():
