@@ -191,7 +191,14 @@ def test_overflow_is_refused_and_the_limit_is_where_float32_ends():
     ({"center": True}, TypeError, "center"),
     ({"rotary_dim": 3}, ValueError, "rotary_dim"),
     ({"layout": "paired"}, ValueError, "layout"),
+    ({"scaling": ropekit.scaling.Linear(2.0)}, ValueError, "scaling: xPos takes no scaling rule"),
 ])
 def test_constructor_errors_name_the_argument(kwargs, error, match):
     with pytest.raises(error, match=match):
         XPosEmbedding(8, **kwargs)
+
+
+def test_built_from_a_config_without_scaling():
+    config = ropekit.RopeConfig(head_dim=16, base=500.0, layout="interleaved")
+    xpos = XPosEmbedding.from_config(config)
+    assert (xpos.head_dim, xpos.base, xpos.layout, xpos.scale_base) == (16, 500.0, "interleaved", 512.0)

@@ -49,13 +49,15 @@ class XPosEmbedding(RotaryEmbedding):
         gamma: ``gamma``, default 0.4 (the paper's).
         center: ``c``, the position whose factors are 1 (default 0); any value gives the same
             scores, as long as every position stays within the float32 range around it.
+        scaling: must be ``None`` (accepted so that ``from_config`` / ``from_hf`` work for
+            configs without a scaling rule).
         backend, max_cached_positions: as in :class:`~ropekit.nn.RotaryEmbedding`.
 
     A :class:`RotaryEmbedding` whose :meth:`forward` returns ``(q', k')`` as above, so it can
     stand in for RoPE in :class:`~ropekit.nn.RotarySelfAttention` (``rope=XPosEmbedding(...)``),
     KV cache included: a cached key keeps the factor of its own position, and later queries
     use theirs. Scale factors are computed in float64 and applied in float32 (float64 for
-    float64 inputs); outputs have the input dtype. ``scaling`` rules do not apply to xPos.
+    float64 inputs); outputs have the input dtype.
     """
 
     def __init__(
@@ -68,9 +70,13 @@ class XPosEmbedding(RotaryEmbedding):
         scale_base: float = 512.0,
         gamma: float = 0.4,
         center: int = 0,
+        scaling: Any = None,
         backend: str = "auto",
         max_cached_positions: int = MAX_CACHED_POSITIONS,
     ) -> None:
+        if scaling is not None:
+            raise ValueError(f"scaling: xPos takes no scaling rule (its decay is defined on the plain RoPE "
+                             f"frequencies), got {scaling!r}")
         super().__init__(head_dim, base=base, rotary_dim=rotary_dim, layout=layout, backend=backend,
                          max_cached_positions=max_cached_positions)
         self.scale_base = check_positive_float(scale_base, "scale_base")
