@@ -6,8 +6,8 @@ sequence *as stored* (DTensor's ``Shard`` rule, :func:`ropekit.rope.shards.shard
 ``context_parallel`` does with its load balancer (zigzag), the stored sequence is
 ``x[shard_order(L, cp_size, scheme=...)]``, and the scheme says which positions the block holds.
 
-``torch.distributed.tensor`` is imported here only, on first use: ``import ropekit`` and plain
-tensors never pay for it.
+``torch.distributed.tensor`` is imported inside the functions: ``import ropekit.distributed``
+does not load it.
 """
 
 from __future__ import annotations
