@@ -195,6 +195,8 @@ def _dtensor_cases(rank: int, world: int) -> dict:
                                                        for t in (q, k)), shard_scheme="striped")),
         "mixed": _expect_error(lambda: rope(dq, k), TypeError),
         "plain_scheme": _expect_error(lambda: rope(q, k, shard_scheme="zigzag")),
+        "inplace_grad": _expect_error(lambda: rope(distribute_tensor(q, mesh, [Shard(2)]).requires_grad_() * 1.0,
+                                                   None, inplace=True)),
         "apply_rotary": _expect_error(lambda: ropekit.apply_rotary(dq, cos[:8 * world], sin[:8 * world]), TypeError),
         "rotate_qk": _expect_error(lambda: ropekit.rotate_qk(dq, dk, cos, sin, seq_dim=2), TypeError),
     }

@@ -148,6 +148,7 @@ def test_bad_dtensors_are_refused_with_the_argument_named(ranks):
         assert errors["striped_uneven"] is None  # 5 and 5 tokens: striped and the Shard rule agree on the sizes
     assert errors["mixed"].startswith("TypeError: q and k must both be DTensors")
     assert "shard_scheme applies to DTensor q and k only" in errors["plain_scheme"]
+    assert "inplace=True cannot rotate DTensors that require grad" in errors["inplace_grad"]
     for name in ("apply_rotary", "rotate_qk"):  # the kernels used to read address 0 of a DTensor: a crash
         assert errors[name].startswith("TypeError: ") and "is a DTensor" in errors[name]
         assert ".to_local()" in errors[name]

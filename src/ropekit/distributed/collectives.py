@@ -34,10 +34,12 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     Mixed backends (``cpu:gloo,cuda:nccl``) reduce CPU tensors too; NCCL alone reduces device tensors only.
     """
     backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or "mpi" in backend or not torch.accelerator.is_available():
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if "gloo" in backend or "mpi" in backend:
         return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    if accelerator is not None and accelerator.is_available():
+        return torch.device(accelerator.current_accelerator().type, accelerator.current_device_index())
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def fingerprint(values: Tensor) -> int:
@@ -163,6 +165,8 @@ def gather_sequence(
     if not isinstance(x, Tensor) or not -x.dim() <= seq_dim < x.dim():
         raise ValueError(f"seq_dim must name an axis of x, got {seq_dim} for x of shape {getattr(x, 'shape', x)}")
     seq_dim %= x.dim()
+    if not isinstance(order, Tensor) or order.dim() != 1 or order.numel() != sum(sizes):
+        raise ValueError(f"order must be a 1-D tensor of sum(sizes) = {sum(sizes)} indices, got {order!r:.80}")
     if x.shape[seq_dim] != sizes[rank]:
         raise ValueError(
             f"x must hold this rank's {sizes[rank]} tokens along seq_dim={seq_dim}, got {x.shape[seq_dim]} "

@@ -338,6 +338,11 @@ class RotaryEmbedding(nn.Module):
             )
         if not (isinstance(offset, int) and not isinstance(offset, bool) and offset == 0):
             raise ValueError("offset cannot be used with DTensor q/k: their positions come from the placement")
+        if inplace is True and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k)):
+            raise ValueError(
+                "inplace=True cannot rotate DTensors that require grad (autograd forbids writing into the view "
+                "to_local() returns); use inplace=False"
+            )
         from ..distributed.dtensor import local_shards
 
         local = local_shards(q, k, seq_dim=seq_dim, scheme="contiguous" if shard_scheme is None else shard_scheme,
