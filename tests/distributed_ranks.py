@@ -7,6 +7,8 @@ strings); the parent does the comparing.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -239,8 +241,21 @@ def _torch_cp_cases(rank: int, world: int) -> dict:
     return out
 
 
+def guide_loop() -> str:
+    """The training-loop example of docs/distributed.md (the python block that builds ``ContextShard(64``)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "distributed.md").read_text(encoding="utf-8")
+    blocks = [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
+    return next(block for block in blocks if "ContextShard(64" in block)
+
+
+def _run_guide_loop() -> dict:
+    namespace: dict = {}
+    exec(compile(guide_loop(), "docs/distributed.md", "exec"), namespace)  # noqa: S102 - our own documentation
+    return {"y": namespace["y"], "loss": namespace["loss"].detach()}
+
+
 def run_all(rank: int, world: int) -> dict:
     """Every scenario of one world size, in one launch."""
     models = {case_name(case): _run_model_case(case) for case in model_cases()}
     return {"models": models, "collectives": _collective_cases(rank, world), "dtensor": _dtensor_cases(rank, world),
-            "torch_cp": _torch_cp_cases(rank, world)}
+            "guide": _run_guide_loop(), "torch_cp": _torch_cp_cases(rank, world)}

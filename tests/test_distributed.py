@@ -19,7 +19,7 @@ import torch
 
 import ropekit
 from distributed_harness import run_ranks
-from distributed_ranks import BATCH, TinyModel, case_name, model_batch, model_cases, rule
+from distributed_ranks import BATCH, TinyModel, case_name, guide_loop, model_batch, model_cases, rule
 from ropekit.distributed import shard_positions
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -172,3 +172,20 @@ def test_torch_context_parallel_buffers(ranks):
             else:  # no balancer: a longer table is cut by its own length, its rows are not the tokens' positions
                 long_tables_wrong |= not torch.allclose(got["by_long_tables"][0], ref_q)
     assert long_tables_wrong
+
+
+def test_the_guides_loop_runs(ranks):
+    """docs/distributed.md's training loop, run on every rank: the gathered output and the sum of the ranks'
+    losses are those of the same layers run in one process on the whole batch."""
+    world, results = ranks
+    code = guide_loop()
+    setup = code[:code.index("shard = ContextShard")]  # the same seed, layers and batch, in this process
+    namespace: dict = {}
+    exec(compile(setup, "docs/distributed.md", "exec"), namespace)  # noqa: S102 - our own documentation
+    h = namespace["x"]
+    for layer in namespace["layers"]:
+        h = h + layer(h)
+    loss = ((h - namespace["target"]) ** 2).sum() / namespace["target"].numel()
+    for result in results:
+        torch.testing.assert_close(result["guide"]["y"], h.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(sum(result["guide"]["loss"] for result in results), loss.detach(), rtol=1e-6, atol=0)
