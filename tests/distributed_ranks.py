@@ -121,6 +121,11 @@ def _collective_cases(rank: int, world: int) -> dict:
         "cu_seqlens": _expect_error(lambda: ContextShard(
             scheme="zigzag", cu_seqlens=torch.tensor([0, 8, 16] if rank == 1 else [0, 16, 24]))),
         "rope_seq_len": _expect_error(lambda: ContextShard(16, scheme="striped", rope_seq_len=16 + rank)),
+        # one rank's arguments fail their own checks: it raises its error, the others learn of it (none waits)
+        "refused_here": _expect_error(lambda: ContextShard(10 if rank == 0 else 16, scheme="zigzag")),
+        "refused_type": _expect_error(lambda: check_seq_len("16" if rank == 0 else 16), (TypeError, ValueError)),
+        "refused_positions": _expect_error(lambda: global_seq_len(torch.tensor([-1 if rank == 0 else 3])),
+                                           (TypeError, ValueError)),
         "agreed": check_seq_len(24),  # the group still works after the refusals
     }
     zigzag = ContextShard(8 * world, scheme="zigzag")

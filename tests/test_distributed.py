@@ -88,6 +88,14 @@ def test_ranks_that_disagree_raise_on_every_rank(ranks):
         assert "scheme must be the same on every rank" in errors["scheme"]
         assert "cu_seqlens must be the same on every rank" in errors["cu_seqlens"], errors["cu_seqlens"]
         assert "rope_seq_len must be the same on every rank" in errors["rope_seq_len"]
+        if rank == 0:
+            assert "seq_len must be a multiple of 2*cp_size" in errors["refused_here"]
+            assert errors["refused_type"] == "TypeError: seq_len must be an int >= 0, got str '16'"
+            assert errors["refused_positions"] == "ValueError: positions must be >= 0, got a minimum of -1"
+        else:
+            for name in ("refused_here", "refused_type", "refused_positions"):
+                assert errors[name] == ("ValueError: another rank of the group refused its arguments (its own error "
+                                        "says which); this rank's were valid")
         assert errors["agreed"] == 24
 
 

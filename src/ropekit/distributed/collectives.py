@@ -48,23 +48,50 @@ def fingerprint(values: Tensor) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
 
 
-def agree(values: dict[str, tuple[int, str | None]], group: dist.ProcessGroup | None = None) -> None:
+def _all_max(ints: list[int], group: dist.ProcessGroup | None) -> list[int]:
+    """The element-wise maximum over the ranks of ``group`` of a list of ints (one ``all_reduce``)."""
+    reduced = torch.tensor(ints, dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    return reduced.tolist()
+
+
+def _raise_if_refused(refused: Exception | None, any_refused: bool) -> None:
+    """After an agreement: this rank's own error, or the news that another rank refused its arguments."""
+    if refused is not None:
+        raise refused
+    if any_refused:
+        raise ValueError(
+            "another rank of the group refused its arguments (its own error says which); this rank's were valid"
+        )
+
+
+def agree(
+    values: dict[str, tuple[int, str | None]],
+    group: dist.ProcessGroup | None = None,
+    *,
+    refused: Exception | None = None,
+) -> None:
     """Check that every rank of ``group`` holds the same ints, with one ``all_reduce``.
+
+    A rank whose arguments failed their local checks still takes part (with ``refused`` set and
+    placeholder values): every rank then raises, none is left waiting in the collective.
 
     Args:
         values: argument name -> ``(int, None)``, or ``(digest, this rank's value shown)`` for a
-            value compared through a digest (:func:`fingerprint`).
+            value compared through a digest (:func:`fingerprint`); the same names on every rank.
         group: the process group (``None``: the default one).
+        refused: this rank's own error with its arguments, raised after the collective.
 
     Raises:
         ValueError: on every rank, naming the first argument whose value differs across the group.
     """
     ints = [value for value, _ in values.values()]
-    both = torch.tensor(ints + [-value for value in ints], dtype=torch.int64, device=collective_device(group))
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # the max of v and of -v: max and min at once
-    reduced = both.tolist()
+    refusal = 1 if refused is not None else 0
+    # the max of v and of -v: the max and the min at once
+    reduced = _all_max([refusal] + ints + [-value for value in ints], group)
+    _raise_if_refused(refused, reduced[0] > 0)
     for i, (name, (mine, shown)) in enumerate(values.items()):
-        high, low = reduced[i], -reduced[len(ints) + i]
+        high, low = reduced[1 + i], -reduced[1 + len(ints) + i]
         if high != low:
             spread = "different values" if shown is not None else f"values from {low} to {high}"
             shown = str(mine) if shown is None else shown
@@ -83,10 +110,12 @@ def check_seq_len(seq_len: int, group: dist.ProcessGroup | None = None) -> int:
     Raises:
         ValueError: on every rank when the ranks disagree, e.g. ``seq_len must be the same on every
             rank of the group, got values from 32 to 64 (this rank, 1: 32)``.
+        TypeError: ``seq_len`` is not an int >= 0 (on this rank; the others learn that it refused).
     """
+    refused = None
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise TypeError(f"seq_len must be an int >= 0, got {type(seq_len).__name__} {seq_len!r}")
-    agree({"seq_len": (seq_len, None)}, group)
+        refused = TypeError(f"seq_len must be an int >= 0, got {type(seq_len).__name__} {seq_len!r}")
+    agree({"seq_len": (0 if refused else seq_len, None)}, group, refused=refused)
     return seq_len
 
 
@@ -99,11 +128,15 @@ def global_seq_len(positions: Tensor, group: dist.ProcessGroup | None = None) ->
     Args:
         positions: this rank's integer positions, any shape (empty: contributes 0).
     """
-    check_positions(positions)
-    local = int(positions.max()) + 1 if positions.numel() else 0
-    reduced = torch.tensor([local], dtype=torch.int64, device=collective_device(group))
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-    return int(reduced[0])
+    refused, local = None, 0
+    try:
+        check_positions(positions)
+        local = int(positions.max()) + 1 if positions.numel() else 0
+    except (TypeError, ValueError) as error:
+        refused = error
+    any_refused, longest = _all_max([1 if refused else 0, local], group)
+    _raise_if_refused(refused, any_refused > 0)
+    return longest
 
 
 def _pad(x: Tensor, dim: int, length: int) -> Tensor:

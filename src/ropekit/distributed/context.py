@@ -67,9 +67,20 @@ class ContextShard:
         group: dist.ProcessGroup | None = None,
         rope_seq_len: int | None = None,
     ) -> None:
-        self.scheme = check_scheme(scheme)
         self.group = group
         self.cp_size, self.cp_rank = group_size_and_rank(group)
+        try:
+            values, refused = self._lay_out(seq_len, scheme, cu_seqlens, rope_seq_len), None
+        except (TypeError, ValueError) as error:  # still take part in the agreement: no rank is left waiting
+            values, refused = {"seq_len": (0, None), "scheme": (0, None), "rope_seq_len": (0, None)}, error
+        agree(values, group, refused=refused)
+        self._masks: dict[tuple[bool, torch.device], Tensor | None] = {}
+
+    def _lay_out(
+        self, seq_len: int | None, scheme: str, cu_seqlens: Tensor | None, rope_seq_len: int | None
+    ) -> dict[str, tuple[int, str | None]]:
+        """Check the arguments and compute this rank's tokens; return what the ranks must agree on."""
+        self.scheme = check_scheme(scheme)
         if (seq_len is None) == (cu_seqlens is None):
             raise ValueError("pass seq_len (one sequence per batch row) or cu_seqlens (packed sequences): exactly one")
         if cu_seqlens is None:
@@ -79,6 +90,7 @@ class ContextShard:
             self.sizes = shard_sizes(self.seq_len, self.cp_size, scheme=scheme)
             self.order = shard_order(self.seq_len, self.cp_size, scheme=scheme)
             longest = self.seq_len
+            values = {"seq_len": (self.seq_len, None)}
         else:
             self.cu_seqlens = check_cu_seqlens(cu_seqlens)
             self.seq_len = _length(int(self.cu_seqlens[-1]), "cu_seqlens[-1] (the packed tokens)")
@@ -88,20 +100,16 @@ class ContextShard:
             self.order = torch.cat([packed_shard(self.cu_seqlens, self.cp_size, rank, scheme=scheme).token_index
                                     for rank in range(self.cp_size)])
             longest = int(self.cu_seqlens.diff().max())
+            values = {"cu_seqlens": (fingerprint(self.cu_seqlens), str(self.cu_seqlens.tolist()))}
         if rope_seq_len is not None and _length(rope_seq_len, "rope_seq_len") < longest:
             raise ValueError(
                 f"rope_seq_len must cover every position of the batch (>= {longest}, the longest sequence"
                 f"{' with its padding' if cu_seqlens is not None else ''}), got {rope_seq_len}"
             )
         self.rope_seq_len = longest if rope_seq_len is None else rope_seq_len
-        if cu_seqlens is None:
-            values = {"seq_len": (self.seq_len, None)}
-        else:
-            values = {"cu_seqlens": (fingerprint(self.cu_seqlens), str(self.cu_seqlens.tolist()))}
         values["scheme"] = (SCHEMES.index(scheme), scheme)
         values["rope_seq_len"] = (self.rope_seq_len, None)  # derived from the above unless given: reported last
-        agree(values, group)
-        self._masks: dict[tuple[bool, torch.device], Tensor | None] = {}
+        return values
 
     def __repr__(self) -> str:
         what = f"seq_len={self.seq_len}" if self.cu_seqlens is None else f"cu_seqlens={self.cu_seqlens.tolist()}"
