@@ -291,3 +291,27 @@ def test_bad_input_names_the_argument(call, error, words):
         call()
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+def test_the_guides_tables_are_what_the_functions_give():
+    """docs/distributed.md's worked examples (L = 16 on 4 ranks; a packed batch on 2) are read from the page."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "distributed.md").read_text(encoding="utf-8")
+
+    def table_after(title):
+        rows = text[text.index(title):].split("\n\n")[1].splitlines()[2:]
+        return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+
+    worked = table_after("### Worked example: `L = 16`, `cp = 4`")
+    assert [row[0] for row in worked] == ["0", "1", "2", "3"]
+    for row in worked:
+        rank = int(row[0])
+        for scheme, cell in zip(("contiguous", "zigzag", "striped"), row[1:], strict=True):
+            assert [int(v) for v in cell.split()] == shard_positions(16, 4, rank, scheme=scheme).tolist()
+    packed = table_after("`cu_seqlens = [0, 4, 12, 16]`, `cp = 2`, zigzag:")
+    assert len(packed) == 2
+    for row in packed:
+        shard = packed_shard(torch.tensor([0, 4, 12, 16]), 2, int(row[0]), scheme="zigzag")
+        numbers = [[int(v) for v in cell.replace("·", " ").split()] for cell in row[1:]]
+        assert numbers == [shard.token_index.tolist(), shard.positions.tolist(), shard.cu_seqlens.tolist()]
