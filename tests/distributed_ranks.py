@@ -76,6 +76,7 @@ def model_cases() -> list[dict]:
     cases.append(dict(scheme="zigzag", rule="dynamic", dtype=torch.float64, cu_seqlens=PACKED))
     for scheme in ("contiguous", "striped"):  # uneven shards: 10 tokens on 4 ranks are 3, 3, 3, 1 or 3, 3, 2, 2
         cases.append(dict(scheme=scheme, rule="dynamic", dtype=torch.float32, seq_len=10))
+    cases.append(dict(scheme="contiguous", rule="none", dtype=torch.float32, seq_len=6))  # 2, 2, 2, 0: an empty rank
     return cases
 
 
@@ -133,6 +134,7 @@ def _collective_cases(rank: int, world: int) -> dict:
     out["local_seq_len"] = int(zigzag.positions.max()) + 1
     gathers = {}
     for label, kwargs in (("contiguous-10", dict(seq_len=10, scheme="contiguous")),
+                          ("contiguous-5", dict(seq_len=5, scheme="contiguous")),  # 2, 2, 1, 0 on 4 ranks
                           ("striped-10", dict(seq_len=10, scheme="striped")),
                           ("zigzag-packed", dict(scheme="zigzag", cu_seqlens=torch.tensor(PACKED)))):
         shard = ContextShard(**kwargs)
