@@ -1,8 +1,9 @@
 """ropekit: Rotary Position Embedding (RoPE) for PyTorch.
 
 Layers, bottom to top (docs/architecture.md): rope (the maths: frequencies, scaling rules,
-layouts) · ops (torch operators and their kernels) · functional (apply_rotary and friends) ·
-config (RopeConfig, config.json) · checkpoints · nn (modules) · integrations · lab · cli.
+layouts, shard positions) · ops (torch operators and their kernels) · functional (apply_rotary and
+friends) · distributed (context parallelism) · config (RopeConfig, config.json) · checkpoints ·
+nn (modules) · integrations · lab · cli.
 
 The public names below are imported on first use (PEP 562 module ``__getattr__``), so that
 ``import ropekit`` alone does not import torch: the ``ropekit`` command line parses its
@@ -34,7 +35,7 @@ _EXPORTS = {
     "convert_layout": "rope.layouts",
     "permute_qk_weight": "rope.layouts",
 }
-_SUBMODULES = ("backends", "ops", "scaling")
+_SUBMODULES = ("backends", "distributed", "ops", "scaling")
 
 __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "RopeConfig",
@@ -47,6 +48,7 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "channel_permutation",
     "convert_layout",
     "cos_sin",
+    "distributed",
     "inv_frequencies",
     "ops",
     "permute_qk_weight",
@@ -58,7 +60,7 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
 ]
 
 if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names are imported on first use
-    from . import backends, ops, scaling
+    from . import backends, distributed, ops, scaling
     from .config import RopeConfig
     from .config.rules import inv_frequencies
     from .functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk

@@ -4,6 +4,8 @@
   float32 cos/sin tables every kernel consumes;
 - :mod:`.scaling`: the context-extension rules (frozen dataclasses; public as ``ropekit.scaling``);
 - :mod:`.layouts`: the two pairings (half, interleaved) and the q/k weight permutation between them;
+- :mod:`.shards`: the global positions each rank of a context-parallel group holds
+  (contiguous, zigzag, striped; packed batches);
 - :mod:`.analysis`: wavelengths, the long-term decay bound (RoFormer eq. 37), the base a context
   needs, and a config's description for ``ropekit inspect``.
 """
