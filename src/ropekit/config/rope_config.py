@@ -73,9 +73,9 @@ class RopeConfig:
             set_(self, "scaling", rule)
         if self.scaling is not None and not callable(getattr(self.scaling, "compute", None)):
             raise TypeError(f"scaling must be None or a ropekit.scaling rule, got {type(self.scaling).__name__}")
-        self.inv_frequencies()  # the rule's own checks against rotary_dim and base
         if self.axes is not None:
             self._check_axes()
+        self.inv_frequencies()  # the rule's own checks against rotary_dim and base
 
     def _check_axes(self) -> None:
         if not isinstance(self.axes, AxisPlan):
@@ -83,7 +83,7 @@ class RopeConfig:
         if self.axes.pairs != self.rotary_dim // 2:
             raise ValueError(f"axes has {self.axes.pairs} pairs but rotary_dim={self.rotary_dim} has "
                              f"{self.rotary_dim // 2}")
-        if self.scaling is not None:
+        if self.scaling is not None and callable(getattr(self.scaling, "compute", None)):
             inv_freq, scale = inv_frequencies(self.rotary_dim, self.base, self.scaling)
             if not torch.equal(inv_freq, self.axes.inv_freq) or scale != self.axes.attention_scale:
                 raise ValueError("axes must carry the scaling rule's frequencies and attention scale "
