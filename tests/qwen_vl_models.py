@@ -67,7 +67,8 @@ def inputs(model, kind, *, image=(1, 4, 6), video=(2, 4, 4)):
         ids += [VS] + [VID] * (video[0] * per_frame) + [VE]
     ids += [6, 7, 8]
     input_ids = torch.tensor([ids])
-    kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=token_types(input_ids),
+    kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                  mm_token_type_ids=token_types(input_ids),
                   pixel_values=torch.randn(int(img.prod()), 3 * tp * p * p), image_grid_thw=img,
                   pixel_values_videos=torch.randn(int(vid.prod()), 3 * tp * p * p), video_grid_thw=vid)
     if kind == "qwen2_5_vl":

@@ -14,11 +14,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-import qwen_vl_models as qv  # noqa: E402
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding  # noqa: E402
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding  # noqa: E402
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding  # noqa: E402
 
+import qwen_vl_models as qv  # noqa: E402
 import ropekit  # noqa: E402
 from ropekit import RopeConfig  # noqa: E402
 from ropekit.integrations.transformers import patch, unpatch  # noqa: E402
@@ -33,7 +33,8 @@ PUBLISHED = {"qwen2_vl": ("qwen2-vl-7b-instruct", Qwen2VLRotaryEmbedding),
 def published(kind):
     name, rotary_class = PUBLISHED[kind]
     raw = json.loads((FIXTURES / f"{name}.json").read_text())
-    hf = qv.transformers.AutoConfig.for_model(kind, **{k: v for k, v in raw.items() if k[0] != "_" and k != "model_type"})
+    kwargs = {k: v for k, v in raw.items() if k[0] != "_" and k != "model_type"}
+    hf = qv.transformers.AutoConfig.for_model(kind, **kwargs)
     return raw, hf, rotary_class(hf.text_config)
 
 
@@ -117,8 +118,8 @@ def test_text_after_a_video_continues_from_its_spatial_extent_as_transformers_5(
                                            tokens_per_second=2, second_per_grid_ts=torch.tensor([1.0]))
     assert positions[0, :, 0].tolist() == [0, 1, 2, 2, 2, 2, 4, 4, 4, 4, 4, 5]
     expected, expected_deltas = qv.rope_index("qwen2_5_vl", {"tokens_per_second": 2})(
-        input_ids=torch.zeros(1, 12, dtype=torch.long), mm_token_type_ids=types, video_grid_thw=torch.tensor([[2, 4, 4]]),
-        second_per_grid_ts=torch.tensor([1.0]))
+        input_ids=torch.zeros(1, 12, dtype=torch.long), mm_token_type_ids=types,
+        video_grid_thw=torch.tensor([[2, 4, 4]]), second_per_grid_ts=torch.tensor([1.0]))
     assert torch.equal(positions.permute(2, 0, 1), expected) and torch.equal(deltas, expected_deltas)
     assert mrope_next_positions(deltas, 12, 2)[0].tolist() == [[6, 6, 6], [7, 7, 7]]
 
