@@ -31,7 +31,7 @@ from ..validation import check_axis_positions, check_even_positive, check_layout
 
 
 def _table_view(x: torch.Tensor, cos: torch.Tensor, seq_dim: int, lead: int) -> list[int]:
-    """The shape that puts tables ``(*lead_dims, seq, pairs)`` against ``x``'s sequence axis."""
+    """The shape that puts tables ``(*batch, seq, pairs)`` against ``x``: batch first, seq on ``seq_dim``."""
     ndim = x.dim()
     if not isinstance(seq_dim, int) or isinstance(seq_dim, bool) or not -ndim <= seq_dim < ndim - 1:
         raise ValueError(f"seq_dim must name an axis of x other than the last, got {seq_dim} for {ndim}-D x")
@@ -43,8 +43,8 @@ def _table_view(x: torch.Tensor, cos: torch.Tensor, seq_dim: int, lead: int) -> 
     view = [1] * ndim
     view[axis] = x.shape[axis]
     view[-1] = cos.shape[-1]
-    for i in range(lead):
-        view[axis - lead + i] = cos.shape[i]
+    for i in range(lead):  # a batch of position rows goes with x's leading (batch) axis
+        view[i] = cos.shape[i]
     return view
 
 
