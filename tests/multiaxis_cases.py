@@ -28,6 +28,7 @@ def assert_close_to_reference(out, x, positions, plan, layout):
     """``out`` equals the float64 rotation of ``x`` within one ulp of its dtype plus float32 arithmetic."""
     ref = apply_reference(x, positions, plan, layout=layout)
     err = (out.detach().double() - ref).abs()
-    bound = torch.finfo(out.dtype).eps * ref.abs() + 8 * torch.finfo(torch.float32).eps * x.detach().abs().max().double()
+    scale = x.detach().abs().max().double()
+    bound = torch.finfo(out.dtype).eps * ref.abs() + 8 * torch.finfo(torch.float32).eps * scale
     assert out.shape == x.shape and out.dtype == x.dtype
     assert (err <= bound + 1e-30).all(), f"max error {err.max():.3g}"

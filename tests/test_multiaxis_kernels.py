@@ -89,6 +89,7 @@ def test_the_module_rotates_on_the_kernel_in_place_too(seq_dim, kernel_calls):
     out_q, out_k = module(q, k, positions, seq_dim=seq_dim, inplace=True)
     assert out_q is q and out_k is k and kernel_calls
     assert_close_to_reference(q, q_ref, view, plan, "half")
+    assert_close_to_reference(k, k_ref, view, plan, "half")
     assert torch.equal(q[..., 16:], q_ref[..., 16:])  # past the plan's rotary_dim: untouched
     batched = torch.stack([positions, positions + 1.5])  # (batch, seq, n_axes)
     out_q, _ = module(q_ref, None, batched, seq_dim=seq_dim)
