@@ -26,3 +26,10 @@ def test_readme_api_example_runs():
     q_rot, k_rot = namespace["q_rot"], namespace["k_rot"]
     assert q_rot.shape == (300, 32, 128) and k_rot.shape == (300, 8, 128)
     assert torch.isfinite(q_rot).all() and not torch.equal(q_rot, namespace["packed_q"])
+
+
+def test_ci_runs_the_readme_test_command():
+    text = README.read_text(encoding="utf-8")
+    command = next(line for line in text.splitlines() if line.startswith("python3 -m venv") and "pytest" in line)
+    ci = (README.parent / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+    assert ci == command
