@@ -109,10 +109,10 @@ def test_configs_ropekit_cannot_represent_raise(cfg, words):
 
 
 DIFFUSERS = {
-    "flux.1-dev-transformer": (128, 10000.0, ("index", "h", "w"), (8, 28, 28), named_plan("flux")),
-    "hunyuanvideo-transformer": (128, 256.0, ("t", "h", "w"), (8, 28, 28), named_plan("hunyuan-video")),
-    "wan2.1-t2v-1.3b-transformer": (128, 10000.0, ("t", "h", "w"), (22, 21, 21), named_plan("wan", head_dim=128)),
-    "cogvideox-5b-transformer": (64, 10000.0, ("t", "h", "w"), (8, 12, 12), named_plan("cogvideox", head_dim=64)),
+    "flux.1-dev": (128, 10000.0, ("index", "h", "w"), (8, 28, 28), named_plan("flux")),
+    "hunyuanvideo": (128, 256.0, ("t", "h", "w"), (8, 28, 28), named_plan("hunyuan-video")),
+    "wan2.1-t2v-1.3b": (128, 10000.0, ("t", "h", "w"), (22, 21, 21), named_plan("wan", head_dim=128)),
+    "cogvideox-5b": (64, 10000.0, ("t", "h", "w"), (8, 12, 12), named_plan("cogvideox", head_dim=64)),
 }
 
 
@@ -129,12 +129,12 @@ def test_diffusers_transformer_configs_are_axial_and_interleaved(name):
 @pytest.mark.parametrize(
     "cfg, words",
     [
-        ({**load("cogvideox-5b-transformer"), "use_rotary_positional_embeddings": False}, ["not RoPE"]),
+        ({**load("cogvideox-5b"), "use_rotary_positional_embeddings": False}, ["not RoPE"]),
         ({"_class_name": "SD3Transformer2DModel"}, ["'SD3Transformer2DModel'", "FluxTransformer2DModel"]),
-        ({**load("flux.1-dev-transformer"), "axes_dims_rope": [16, 56, 48]}, ["120 channels", "128"]),
-        ({**load("flux.1-dev-transformer"), "axes_dims_rope": [15, 57, 56]}, ["axes_dims[0]", "even"]),
-        ({**load("cogvideox-5b-transformer"), "attention_head_dim": 72}, ["multiple of 16", "72"]),
-        ({**load("hunyuanvideo-transformer"), "rope_theta": -1}, ["rope_theta", "-1"]),
+        ({**load("flux.1-dev"), "axes_dims_rope": [16, 56, 48]}, ["120 channels", "128"]),
+        ({**load("flux.1-dev"), "axes_dims_rope": [15, 57, 56]}, ["axes_dims[0]", "even"]),
+        ({**load("cogvideox-5b"), "attention_head_dim": 72}, ["multiple of 16", "72"]),
+        ({**load("hunyuanvideo"), "rope_theta": -1}, ["rope_theta", "-1"]),
     ],
 )
 def test_diffusers_config_errors(cfg, words):
@@ -165,7 +165,7 @@ def test_a_1d_config_has_a_one_axis_plan():
 def test_modules_from_a_multi_axis_config():
     with pytest.raises(ValueError, match="MultiAxisRotaryEmbedding"):
         RotaryEmbedding.from_hf(QWEN2)
-    module = MultiAxisRotaryEmbedding.from_hf(load("flux.1-dev-transformer"))
+    module = MultiAxisRotaryEmbedding.from_hf(load("flux.1-dev"))
     assert module.layout == "interleaved" and module.plan == named_plan("flux") and module.head_dim == 128
     assert MultiAxisRotaryEmbedding.from_hf(QWEN2).plan.counts == (16, 24, 24)
     assert isinstance(axial((4, 4)), AxisPlan)

@@ -42,7 +42,7 @@ def assert_tables(cos, sin, positions, plan, atol):
 
 
 def test_flux_pos_embed_and_apply():
-    raw = config("flux.1-dev-transformer")
+    raw = config("flux.1-dev")
     rope = RopeConfig.from_hf(raw)
     rows, cols = 3, 5
     image = patch_grid((rows, cols))
@@ -66,7 +66,7 @@ def test_flux2_pos_embed_with_four_axes():
 
 
 def test_hunyuan_video_rotary():
-    raw = config("hunyuanvideo-transformer")
+    raw = config("hunyuanvideo")
     rope = RopeConfig.from_hf(raw)
     module = HunyuanVideoRotaryPosEmbed(raw["patch_size"], raw["patch_size_t"], raw["rope_axes_dim"], raw["rope_theta"])
     cos, sin = module(torch.zeros(1, 16, 3, 6, 8))  # latent (B, C, F, H, W) -> grid (3, 3, 4)
@@ -74,7 +74,7 @@ def test_hunyuan_video_rotary():
 
 
 def test_wan_rotary():
-    raw = config("wan2.1-t2v-1.3b-transformer")
+    raw = config("wan2.1-t2v-1.3b")
     rope = RopeConfig.from_hf(raw)
     module = WanRotaryPosEmbed(raw["attention_head_dim"], tuple(raw["patch_size"]), raw["rope_max_seq_len"])
     cos, sin = module(torch.zeros(1, 16, 3, 6, 8))  # (1, F*H*W, 1, head_dim)
@@ -84,7 +84,7 @@ def test_wan_rotary():
 
 @pytest.mark.parametrize("grid_type", ["slice", "linspace"])
 def test_cogvideox_3d_rotary(grid_type):
-    raw = config("cogvideox-5b-transformer")
+    raw = config("cogvideox-5b")
     rope = RopeConfig.from_hf(raw)
     frames, rows, cols = 2, 3, 4
     if grid_type == "slice":  # CogVideoX 1.5: integer grids
