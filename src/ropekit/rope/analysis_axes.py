@@ -16,10 +16,11 @@ def axis_summary(plan: AxisPlan, context: int) -> dict[str, Any]:
         context: the extent (in position units) against which "completes a rotation" is counted.
 
     Returns:
-        dict: ``names`` (axis names), ``pair_axis`` (the axis name of each pair), and ``per_axis``: per
-        axis its ``pairs`` (count), ``pair_indices``, ``first_pair`` / ``last_pair``, whether its pairs are ``contiguous``, the
-        shortest and longest ``wavelength`` (position units per turn; ``None`` for a zero frequency)
-        and ``pairs_without_full_rotation`` within ``context``.
+        dict: ``names`` (axis names), ``pair_axis`` (the axis name of each pair), and ``per_axis``:
+        per axis its ``pairs`` (count), ``pair_indices``, ``first_pair`` / ``last_pair``, whether its
+        pairs are ``contiguous``, the shortest and longest wavelength (``wavelength_min`` /
+        ``wavelength_max``, position units per turn; ``None`` for a zero frequency) and
+        ``pairs_without_full_rotation`` within ``context``.
     """
     lengths = [2 * math.pi / f if f > 0 else math.inf for f in plan.inv_freq.tolist()]
     per_axis = []
