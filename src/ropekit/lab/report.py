@@ -24,6 +24,7 @@ from ..rope.analysis import decay_bound, describe, similarity_margin
 from . import figures
 from .experiments import attention_vs_distance, scaling_comparison, sinusoidal_terms
 from .report_html import esc, figure, num, page, table
+from .report_multiaxis import add_section as add_multiaxis_section
 from .report_speed import speed_section
 
 #: HTML of the terms of :func:`ropekit.lab.experiments.sinusoidal_terms`.
@@ -360,7 +361,7 @@ def build(config: Any, label: str, *, quick: bool = False) -> tuple[str, dict[st
     start = time.perf_counter()
     report = _Report(config, label, quick)
     for section in (report.rotation, report.wavelengths, report.decay, report.attention, report.scaling,
-                    report.sinusoidal, report.checks, report.bench):
+                    report.sinusoidal, lambda: add_multiaxis_section(report), report.checks, report.bench):
         section()
     seconds = time.perf_counter() - start
     report.summary["seconds"] = seconds
