@@ -6,7 +6,7 @@ timm's ``_build_grid`` is checked as an oracle in tests/test_peer_timm.py (throu
 import pytest
 import torch
 
-from ropekit.multiaxis import patch_grid, vision_block_positions, vision_patch_positions
+from ropekit.multiaxis import patch_grid, patch_grid_thw, vision_block_positions, vision_patch_positions
 
 
 def test_index_grid_is_row_major_and_integral():
@@ -98,3 +98,16 @@ def test_vision_block_positions_time_steps_truncate_in_float32():
         [0, r, c] for r in range(2) for c in range(3)]
     with pytest.raises(ValueError, match=r"three positive ints \(t, h, w\)"):
         vision_block_positions([1, 4], spatial_merge_size=2)
+
+
+def test_patch_grid_thw_and_the_seconds_per_grid_time_step():
+    # a 4-frame 2 fps clip of 56 x 84 pixels, patch 14, temporal patch 2: 2 x 4 x 6 patches
+    assert patch_grid_thw(4, 56, 84, patch_size=14, temporal_patch_size=2) == (2, 4, 6)
+    assert patch_grid_thw(1, 28, 28, patch_size=14, temporal_patch_size=2) == (1, 2, 2)  # an image
+    seconds_per_grid = 2 / 2.0  # temporal_patch_size / fps
+    block = vision_block_positions((2, 4, 6), spatial_merge_size=2, time_step=2 * seconds_per_grid)
+    assert block.shape == (2 * 2 * 3, 3) and block[:, 0].unique().tolist() == [0, 2]
+    with pytest.raises(ValueError, match="multiples of patch_size=14"):
+        patch_grid_thw(4, 50, 84, patch_size=14, temporal_patch_size=2)
+    with pytest.raises(ValueError, match="multiple of temporal_patch_size=2"):
+        patch_grid_thw(3, 56, 84, patch_size=14, temporal_patch_size=2)

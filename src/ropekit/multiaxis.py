@@ -18,7 +18,7 @@ from .rope.axes import (
     pixel_ladder,
     single_axis,
 )
-from .rope.grids import patch_grid, vision_block_positions, vision_patch_positions
+from .rope.grids import patch_grid, patch_grid_thw, vision_block_positions, vision_patch_positions
 from .rope.mrope_positions import mrope_next_positions, mrope_position_ids
 from .rope.plans import (
     LAYOUTS,
@@ -60,6 +60,7 @@ __all__ = [
     "mrope_position_ids",
     "named_plan",
     "patch_grid",
+    "patch_grid_thw",
     "pixel_ladder",
     "qwen2_vl",
     "qwen3_vl",

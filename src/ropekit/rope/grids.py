@@ -209,3 +209,30 @@ def vision_block_positions(
     rows, cols = torch.arange(h // m) + start, torch.arange(w // m) + start
     grid = torch.meshgrid(frames, rows, cols, indexing="ij")
     return torch.stack([g.reshape(-1) for g in grid], dim=-1)
+
+
+def patch_grid_thw(
+    frames: int, height: int, width: int, *, patch_size: int, temporal_patch_size: int = 1
+) -> tuple[int, int, int]:
+    """``(t, h, w)`` in patches of a video (or an image: ``frames=1``) cut as Qwen-VL's processors cut it.
+
+    ``t = frames // temporal_patch_size`` (each patch spans ``temporal_patch_size`` frames; an image
+    counts as one temporal patch), ``h = height // patch_size``, ``w = width // patch_size``. The
+    language model then sees ``t * (h / m) * (w / m)`` tokens (``m`` = spatial_merge_size), and
+    Qwen2.5-VL's time step per temporal patch is ``tokens_per_second * temporal_patch_size / fps``
+    (``second_per_grid_ts = temporal_patch_size / fps``; see :func:`vision_block_positions`).
+
+    Raises:
+        ValueError: sizes that are not positive multiples (the processors resize and pad first).
+    """
+    for name, value in (("frames", frames), ("height", height), ("width", width), ("patch_size", patch_size),
+                        ("temporal_patch_size", temporal_patch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if height % patch_size or width % patch_size:
+        raise ValueError(f"height and width must be multiples of patch_size={patch_size}, got {height} x {width} "
+                         "(resize first, as the processor does)")
+    if frames > 1 and frames % temporal_patch_size:
+        raise ValueError(f"frames must be a multiple of temporal_patch_size={temporal_patch_size}, got {frames} "
+                         "(the processor repeats the last frame to pad)")
+    return max(frames // temporal_patch_size, 1), height // patch_size, width // patch_size
