@@ -33,3 +33,13 @@ def test_ci_runs_the_readme_test_command():
     command = next(line for line in text.splitlines() if line.startswith("python3 -m venv") and "pytest" in line)
     ci = (README.parent / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
     assert ci == command
+
+
+def test_readme_multiaxis_example_runs():
+    text = README.read_text(encoding="utf-8")
+    code = python_blocks(text[text.index("## Multi-axis RoPE"):])[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md (multi-axis)", "exec"), namespace)  # noqa: S102 - our own documentation
+    assert namespace["q_rot"].shape == (2, 12, 257, 64)
+    assert namespace["positions"][0, :, 0].tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3, 6, 7]
+    assert namespace["q"].shape == (1, 28, 11, 128) and namespace["k"].shape == (1, 4, 11, 128)
