@@ -76,3 +76,20 @@ def test_rotate_qk_with_per_token_tables_on_triton(launches):
     assert len(launches) == 1
     assert_close_to_reference(q_out, q, positions[:, None], plan, "half")
     assert_close_to_reference(k_out, k, positions[:, None], plan, "half")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_module_forward_and_backward(monkeypatch, launches):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    from ropekit.nn import MultiAxisRotaryEmbedding
+
+    plan = PLANS["qwen3-vl"]()
+    module = MultiAxisRotaryEmbedding(plan, head_dim=18)
+    positions = positions_for(plan, 64, torch.Generator().manual_seed(4))
+    q = torch.randn(2, 4, 64, 18, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, 64, 18, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q_out, k_out = module(q, k, positions)
+    assert launches and q_out.is_cuda
+    assert_close_to_reference(q_out.cpu(), q.cpu(), positions[None, None], plan, "half")
+    (q_out.float().sum() + k_out.float().sum()).backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

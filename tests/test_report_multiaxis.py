@@ -42,3 +42,14 @@ def test_section_has_a_panel_per_scheme_and_symmetric_maps(preset, panels):
     assert len(summary) == panels and all(row["asymmetry"] < 1e-6 for row in summary)
     by_name = {row["scheme"]: row["min"] for row in summary}
     assert by_name["M-RoPE, Qwen2-VL sections"] > 0.99 > by_name["M-RoPE, Qwen3-VL interleave"]
+
+
+def test_a_report_on_an_axial_config_is_complete(monkeypatch):
+    pytest.importorskip("matplotlib")
+    from ropekit.lab import report as report_module
+
+    monkeypatch.setattr(report_module, "_bench_rows", lambda: (None, "not timed here"))
+    html, files, summary = report_module.build(RopeConfig.from_hf(get_preset("flux")), "flux", quick=True)
+    assert summary["config"]["base_lower_bound"] is None  # not one ladder: Men et al.'s bound does not apply
+    assert summary["multiaxis"][0]["scheme"] == "this config (index, h, w)"
+    assert 'id="multiaxis"' in html and sum(name.startswith("multiaxis") for name in files) == 5

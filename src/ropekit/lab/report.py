@@ -168,7 +168,7 @@ class _Report:
         positions = (torch.arange(limit + 1) if limit + 1 <= self.size["margin"] else
                      torch.linspace(0, limit, self.size["margin"], dtype=torch.float64).round().to(torch.int64))
         curves = [(f"base {num(self.config.base)}", similarity_margin(self.theta, positions))]
-        bound = self.info["base_lower_bound"]["base"]
+        bound = (self.info["base_lower_bound"] or {}).get("base")  # None for axial plans (not one ladder)
         if bound:
             from ..rope.frequencies import base_inv_freq
 

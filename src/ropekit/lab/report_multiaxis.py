@@ -101,7 +101,14 @@ def add_section(report: Any) -> None:
         "profile; RoPE-Mixed's learnable directions add diagonals; Qwen2-VL's contiguous sections give the "
         "column only the slowest pairs, so the map barely changes along a row; Qwen3-VL's interleave shares "
         "fast and slow pairs between rows and columns.")
-    body = report.figure("multiaxis", lambda: figures_2d.score_map_figure(maps), caption,
+    body = ""
+    axes = getattr(report.config, "axes", None)
+    if axes is not None:
+        body += (f"<p>This configuration is multi-axis: positions are ({esc(', '.join(axes.axis_names))}) vectors "
+                 "and each pair reads one axis (<code>ropekit inspect</code> lists them). The other sections treat "
+                 "it as 1-D, a token moving along every axis at once: for M-RoPE that is a text token, for an "
+                 "axial model a walk along the diagonal.</p>")
+    body += report.figure("multiaxis", lambda: figures_2d.score_map_figure(maps), caption,
                          "score of the centre patch against every patch, per scheme")
     body += table([("scheme", "the rotary scheme of the panel"),
                    ("min score", "the lowest score on the grid"),

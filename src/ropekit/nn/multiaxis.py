@@ -115,7 +115,7 @@ class MultiAxisRotaryEmbedding(nn.Module):
             if positions.dim() not in (2, 3):
                 raise ValueError(
                     f"positions must be (seq, n_axes) or (batch, seq, n_axes), got {tuple(positions.shape)}")
-            cos, sin = self.plan.cos_sin(positions)
+            cos, sin = self.plan.cos_sin(positions.to(q.device))
         else:
             cos, sin = tables
         view = _table_view(q, cos, seq_dim, cos.dim() - 2)

@@ -89,7 +89,7 @@ def mrope_position_ids(
 
     Returns:
         ``(positions, deltas)``: int64 ``(batch, seq, 3)`` (transformers' ``(3, batch, seq)`` is
-        ``positions.permute(2, 0, 1)``) and int64 ``(batch, 1)``.
+        ``positions.permute(2, 0, 1)``) and int64 ``(batch, 1)``, on ``mm_token_type_ids``' device.
 
     Raises:
         ValueError: a vision run whose length does not match its grid, more runs than grids or grids
@@ -137,7 +137,8 @@ def mrope_position_ids(
         if left:
             name = "image" if kind == IMAGE else "video"
             raise ValueError(f"{name}_grid_thw has {left} grid(s) more than the batch has {name} runs")
-    return positions, torch.tensor(deltas, dtype=torch.int64)[:, None]
+    device = mm_token_type_ids.device
+    return positions.to(device), torch.tensor(deltas, dtype=torch.int64, device=device)[:, None]
 
 
 def mrope_next_positions(deltas: torch.Tensor, past_length: int, length: int = 1) -> torch.Tensor:
