@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 # public name -> the submodule that defines it
 _EXPORTS = {
+    "AxisPlan": "rope.axes",
     "RopeConfig": "config.rope_config",
     "RotaryEmbedding": "nn.rotary",
     "apply_reference": "ops.reference",
@@ -35,9 +36,10 @@ _EXPORTS = {
     "convert_layout": "rope.layouts",
     "permute_qk_weight": "rope.layouts",
 }
-_SUBMODULES = ("backends", "distributed", "ops", "scaling")
+_SUBMODULES = ("backends", "distributed", "multiaxis", "ops", "scaling")
 
 __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
+    "AxisPlan",
     "RopeConfig",
     "RotaryEmbedding",
     "apply_reference",
@@ -50,6 +52,7 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "cos_sin",
     "distributed",
     "inv_frequencies",
+    "multiaxis",
     "ops",
     "permute_qk_weight",
     "rotate",
@@ -60,12 +63,13 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
 ]
 
 if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names are imported on first use
-    from . import backends, distributed, ops, scaling
+    from . import backends, distributed, multiaxis, ops, scaling
     from .config import RopeConfig
     from .config.rules import inv_frequencies
     from .functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
     from .nn.rotary import RotaryEmbedding
     from .ops.reference import apply_reference, rotation_matrix
+    from .rope.axes import AxisPlan
     from .rope.frequencies import base_inv_freq, cos_sin, rotation_angles
     from .rope.layouts import channel_permutation, convert_layout, permute_qk_weight
 

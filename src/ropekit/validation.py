@@ -67,6 +67,29 @@ def is_dtensor(x: Any) -> bool:
     return module is not None and isinstance(x, module.DTensor)
 
 
+def check_axis_positions(positions: torch.Tensor, n_axes: int, name: str = "positions") -> torch.Tensor:
+    """Return ``positions`` if it is a real ``(..., n_axes)`` tensor of finite values.
+
+    Multi-axis positions (M-RoPE t/h/w, axial h/w) may be floats (interpolated grids, pixel
+    coordinates in ``[-1, 1]``, half-patch offsets) and negative (centred grids); only NaN, inf,
+    booleans, complex numbers and a last axis of the wrong size are refused.
+    """
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor of shape (..., n_axes={n_axes}), got {type(positions).__name__}")
+    if positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise TypeError(f"{name} must have a real (integer or floating) dtype, got {positions.dtype}")
+    if positions.dim() == 0 or positions.shape[-1] != n_axes:
+        raise ValueError(
+            f"{name} must have shape (..., n_axes={n_axes}) (one coordinate per axis, last), "
+            f"got {tuple(positions.shape)}"
+        )
+    if (positions.dtype.is_floating_point and positions.numel() and not torch.compiler.is_compiling()
+            and not bool(torch.isfinite(positions).all())):
+        raise ValueError(f"{name} must be finite, got NaN or inf")
+    return positions
+
+
 def check_float_tensor(x: torch.Tensor, name: str) -> torch.Tensor:
     """Return ``x`` if it is a real floating-point tensor (a plain one: no DTensor)."""
     if not isinstance(x, torch.Tensor):

@@ -23,6 +23,7 @@ from ..rope.analysis import decay_bound, describe, similarity_margin
 from . import figures
 from .experiments import attention_vs_distance, scaling_comparison, sinusoidal_terms
 from .report_html import esc, figure, num, page, table
+from .report_multiaxis import add_section as add_multiaxis_section
 from .report_speed import speed_section
 
 #: HTML of the terms of :func:`ropekit.lab.experiments.sinusoidal_terms`.
@@ -166,7 +167,7 @@ class _Report:
         positions = (torch.arange(limit + 1) if limit + 1 <= self.size["margin"] else
                      torch.linspace(0, limit, self.size["margin"], dtype=torch.float64).round().to(torch.int64))
         curves = [(f"base {num(self.config.base)}", similarity_margin(self.theta, positions))]
-        bound = self.info["base_lower_bound"]["base"]
+        bound = (self.info["base_lower_bound"] or {}).get("base")  # None for axial plans (not one ladder)
         if bound:
             from ..rope.frequencies import base_inv_freq
 
@@ -359,7 +360,7 @@ def build(config: Any, label: str, *, quick: bool = False) -> tuple[str, dict[st
     start = time.perf_counter()
     report = _Report(config, label, quick)
     for section in (report.rotation, report.wavelengths, report.decay, report.attention, report.scaling,
-                    report.sinusoidal, report.checks, report.bench):
+                    report.sinusoidal, lambda: add_multiaxis_section(report), report.checks, report.bench):
         section()
     seconds = time.perf_counter() - start
     report.summary["seconds"] = seconds

@@ -354,7 +354,17 @@ class RotaryEmbedding(nn.Module):
     # -- construction from configs ------------------------------------------------------------
     @classmethod
     def from_config(cls, config: Any, *, backend: str = "auto") -> RotaryEmbedding:
-        """Build from a :class:`ropekit.RopeConfig` (head_dim, rotary_dim, base, layout, scaling)."""
+        """Build from a :class:`ropekit.RopeConfig` (head_dim, rotary_dim, base, layout, scaling).
+
+        A multi-axis config (``config.axes`` set: M-RoPE, axial) raises: its positions are vectors;
+        use :class:`ropekit.nn.MultiAxisRotaryEmbedding`.
+        """
+        if getattr(config, "axes", None) is not None:
+            raise ValueError(
+                f"this config is multi-axis RoPE ({config.axes!r}): positions are vectors "
+                f"({', '.join(config.axes.axis_names)}), which RotaryEmbedding (integer positions) cannot take; "
+                "use ropekit.nn.MultiAxisRotaryEmbedding.from_config(config)"
+            )
         return cls(
             config.head_dim,
             base=config.base,
