@@ -33,10 +33,13 @@ _EXPORTS = {
     "channel_permutation": "rope.layouts",
     "convert_layout": "rope.layouts",
     "permute_qk_weight": "rope.layouts",
+    "LayoutEvidence": "rope.pairing",
+    "detect_layout": "rope.pairing",
 }
 _SUBMODULES = ("backends", "ops", "scaling")
 
 __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
+    "LayoutEvidence",
     "RopeConfig",
     "RotaryEmbedding",
     "apply_reference",
@@ -47,6 +50,7 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "channel_permutation",
     "convert_layout",
     "cos_sin",
+    "detect_layout",
     "inv_frequencies",
     "ops",
     "permute_qk_weight",
@@ -66,6 +70,7 @@ if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names a
     from .ops.reference import apply_reference, rotation_matrix
     from .rope.frequencies import base_inv_freq, cos_sin, rotation_angles
     from .rope.layouts import channel_permutation, convert_layout, permute_qk_weight
+    from .rope.pairing import LayoutEvidence, detect_layout
 
 
 def _version() -> str:

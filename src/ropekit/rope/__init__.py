@@ -4,6 +4,7 @@
   float32 cos/sin tables every kernel consumes;
 - :mod:`.scaling`: the context-extension rules (frozen dataclasses; public as ``ropekit.scaling``);
 - :mod:`.layouts`: the two pairings (half, interleaved) and the q/k weight permutation between them;
+- :mod:`.pairing`: which pairing a checkpoint was trained with, told from its q/k weights alone;
 - :mod:`.analysis`: wavelengths, the long-term decay bound (RoFormer eq. 37), the base a context
   needs, and a config's description for ``ropekit inspect``.
 """
