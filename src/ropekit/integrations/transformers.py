@@ -77,6 +77,21 @@ def _modeling_module(module: torch.nn.Module):
     return mod if mod is not None and callable(getattr(mod, "apply_rotary_pos_emb", None)) else None
 
 
+def patchable_modules(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """``(rotary embedding modules, attention modules)`` that :func:`patch` would override.
+
+    Works on a model built on the ``meta`` device too (nothing is computed). Raises ``ValueError``
+    naming the model class when either list is empty: a family :func:`patch` does not support.
+    """
+    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq")]
+    attention = [m for m in model.modules() if type(m).__name__.endswith("Attention") and _modeling_module(m)]
+    if not rotary or not attention:
+        raise ValueError(f"{type(model).__name__}: found {len(rotary)} rotary embedding and {len(attention)} "
+                         "attention modules; ropekit.integrations.transformers supports models with a "
+                         "*RotaryEmbedding module and apply_rotary_pos_emb (Llama, Mistral, Qwen2/3, Phi-3, GPT-NeoX)")
+    return rotary, attention
+
+
 def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: str = "auto",
           capture: Callable | None = None) -> torch.nn.Module:
     """Compute ``model``'s RoPE with ropekit; returns ``model`` (patched in place).
@@ -117,12 +132,7 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
         raise ValueError("length-dependent scaling (dynamic NTK, LongRoPE) needs fixed_seq_len for a KV cache; "
                          "use RopeConfig.from_hf(config, fixed_seq_len=...)")
     inv_freq, scale = rope.inv_frequencies()
-    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq")]
-    attention = [m for m in model.modules() if type(m).__name__.endswith("Attention") and _modeling_module(m)]
-    if not rotary or not attention:
-        raise ValueError(f"{type(model).__name__}: found {len(rotary)} rotary embedding and {len(attention)} "
-                         "attention modules; ropekit.integrations.transformers supports models with a "
-                         "*RotaryEmbedding module and apply_rotary_pos_emb (Llama, Mistral, Qwen2/3, Phi-3, GPT-NeoX)")
+    rotary, attention = patchable_modules(model)
     for m in rotary:
         m.forward = types.MethodType(_rotary_forward(inv_freq.to(m.inv_freq.device), scale), m)
     modules = []
