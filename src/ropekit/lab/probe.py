@@ -156,7 +156,8 @@ class Capture:
     def __call__(self, module: Any, q: torch.Tensor, k: torch.Tensor, q_rot: torch.Tensor, k_rot: torch.Tensor):
         """Called by the patched attention of each layer (batch 1): compute and keep the layer's statistics."""
         config = getattr(module, "config", None)
-        window = getattr(module, "sliding_window", None)
+        # Qwen2-style layers carry their own window (None on full-attention layers); Mistral's is in the config
+        window = module.sliding_window if hasattr(module, "sliding_window") else getattr(config, "sliding_window", None)
         geometry = Geometry(self.rope.layout, self.rope.rotary_dim, self.inv_freq,
                             float(getattr(module, "scaling", self.rope.head_dim**-0.5)),
                             window if isinstance(window, int) and window < q.shape[-2] else None,
