@@ -85,3 +85,14 @@ def test_slow_pairs_and_energy_share_follow_their_definitions(run):
     summary = document["summary"]
     share = torch.tensor(document["heads"]["q_slow_energy_share"])
     assert summary["slow_energy_share_q"]["mean"] == pytest.approx(float(share.mean()), rel=1e-5)
+
+
+def test_gguf_file_transformers_rows_half_the_files_rows_interleaved(example, tmp_path, capsys):
+    """``--gguf``: transformers loads (and un-permutes) the file; the probe reads the file's own rows too."""
+    from ropekit.lab.smollm2 import smollm2_gguf
+
+    assert main(["probe", "--gguf", str(smollm2_gguf()), "--prompt", PROMPT, "--quick", "--json", "--no-progress",
+                 "--out", str(tmp_path / "gguf")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["model"]["source"] == "gguf" and doc["pairing"]["layout"] == "half"
+    assert doc["pairing"]["weights"]["layout"] == "half" and doc["pairing"]["file_rows"]["layout"] == "interleaved"
