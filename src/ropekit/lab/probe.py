@@ -292,11 +292,15 @@ def model_section(loaded: LoadedModel, rope: RopeConfig) -> dict[str, Any]:
 
 def versions() -> dict[str, str]:
     """Versions of the pieces that produced the numbers."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import transformers
 
-    from .. import __version__
-
-    return {"ropekit": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+    try:
+        ropekit_version = version("ropekit")
+    except PackageNotFoundError:  # a source tree that was never installed
+        ropekit_version = "0+unknown"
+    return {"ropekit": ropekit_version, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version()}
 
 
