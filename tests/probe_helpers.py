@@ -1,6 +1,5 @@
 """Models for the probe's tests: tiny random transformers directories, and the SmolLM2 example (cached)."""
 
-import argparse
 from pathlib import Path
 
 import pytest
@@ -9,8 +8,6 @@ import transformers
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
-
-from ropekit.cli import probe as cli_probe
 
 #: a short passage: enough tokens for every statistic, short enough for a fast forward
 PROMPT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
@@ -42,12 +39,6 @@ def tiny_model_dir(directory: Path, family: str = "llama", seed: int = 0, **extr
     getattr(transformers, model_name)(config).save_pretrained(directory)
     word_tokenizer(directory)
     return directory
-
-
-def parse(*argv) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli_probe.add_parser(parser.add_subparsers(dest="verb"))
-    return parser.parse_args(["probe", *map(str, argv)])
 
 
 def example_model():

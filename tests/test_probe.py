@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from probe_helpers import PROMPT, direct_statistics, parse, tiny_model_dir
+from probe_helpers import PROMPT, direct_statistics, tiny_model_dir
 from ropekit import files
 from ropekit.cli.entry import main
 from ropekit.lab import probe as lab_probe
@@ -135,18 +135,22 @@ class Killed(Exception):
 
 
 def test_the_output_folder_is_the_old_one_or_the_new_one_whatever_step_fails(llama, tmp_path, monkeypatch):
-    """A run interrupted before each file-system step in turn leaves the old outputs, whole, or the new ones."""
+    """Writing is stopped before each file-system step in turn: the folder holds the old outputs, whole, or the new."""
+    loaded = load_model_dir(llama)
+    documents = {}
+    for name, prompt in (("old", PROMPT), ("new", PROMPT.replace("light", "darkness"))):
+        ids = lab_probe.encode(loaded.tokenizer, prompt, 512, "--prompt")
+        documents[name] = lab_probe.probe(loaded, ids, text=lab_probe.text_record(prompt, "--prompt"), quick=True,
+                                          progress=False)
+    texts = {documents[name]["text"]["sha256"] for name in documents}
     out = tmp_path / "out"
-    second = PROMPT.replace("light", "darkness")
     steps = []
     monkeypatch.setattr(files, "fs_step", lambda action, path: steps.append(action))
-    assert lab_probe.run(parse("--model", llama, "--prompt", second, "--out", out, "--quick", "--no-progress")) == 0
-    new_text = json.loads((out / "probe.json").read_text())["text"]["sha256"]
+    lab_probe.write_outputs(out, dict(documents["new"]), figures=False)  # figures: a file each, no other step
+    assert "exchange" in steps or "rename" in steps
     for n in range(len(steps)):
         monkeypatch.setattr(files, "fs_step", lambda action, path: None)
-        assert lab_probe.run(parse("--model", llama, "--prompt", PROMPT, "--out", out, "--quick",
-                                   "--no-progress")) == 0
-        old_text = json.loads((out / "probe.json").read_text())["text"]["sha256"]
+        lab_probe.write_outputs(out, dict(documents["old"]), figures=False)
         count = [0]
 
         def step(action, path, n=n, count=count):
@@ -156,13 +160,13 @@ def test_the_output_folder_is_the_old_one_or_the_new_one_whatever_step_fails(lla
 
         monkeypatch.setattr(files, "fs_step", step)
         with pytest.raises(Killed):
-            lab_probe.run(parse("--model", llama, "--prompt", second, "--out", out, "--quick", "--no-progress"))
+            lab_probe.write_outputs(out, dict(documents["new"]), figures=False)
         monkeypatch.setattr(files, "fs_step", lambda action, path: None)
         document = json.loads((out / "probe.json").read_text())
-        assert document["text"]["sha256"] in (old_text, new_text), n
+        assert document["text"]["sha256"] in texts, n
         assert sorted(p.name for p in out.iterdir()) == sorted(["index.html", "probe.json", *document["figures"]]), n
         hidden = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
         assert all(name.startswith(files.STAGING_PREFIX) for name in hidden), hidden
-        files.remove_stale_staging(tmp_path)  # what a killed run leaves is hidden, and the next write removes it
+        files.remove_stale_staging(tmp_path)  # what a stopped run leaves is hidden, and the next write removes it
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
-    assert new_text != old_text
+    assert len(texts) == 2
