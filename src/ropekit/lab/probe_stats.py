@@ -22,6 +22,7 @@ Definitions (``P = rotary_dim / 2`` pairs; pair ``i`` is channels ``(i, i + P)``
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -77,15 +78,21 @@ def attention_probabilities(q: torch.Tensor, k: torch.Tensor, geometry: Geometry
     return logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
 
 
-def attention_by_distance(attn: torch.Tensor) -> torch.Tensor:
-    """``D[h, delta]`` for ``delta = 0 .. N-2``: the mean of ``A[h, i, i - delta]`` over ``i - delta >= 1``."""
-    heads, n, _ = attn.shape
+@functools.lru_cache(maxsize=2)
+def _distance_index(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(keep (N, N) bool, distance of each kept entry, entries per distance)`` for keys ``j >= 1``, ``j <= i``."""
     i = torch.arange(n)
     delta = i[:, None] - i[None, :]
     keep = (delta >= 0) & (i[None, :] >= 1)
-    index = delta[keep]  # (entries,)
+    index = delta[keep]
+    return keep, index, torch.bincount(index, minlength=n).to(torch.float64)
+
+
+def attention_by_distance(attn: torch.Tensor) -> torch.Tensor:
+    """``D[h, delta]`` for ``delta = 0 .. N-2``: the mean of ``A[h, i, i - delta]`` over ``i - delta >= 1``."""
+    heads, n, _ = attn.shape
+    keep, index, counts = _distance_index(n)
     sums = torch.zeros(heads, n, dtype=torch.float64).index_add_(1, index, attn[:, keep])
-    counts = torch.bincount(index, minlength=n).to(torch.float64)
     return sums[:, : n - 1] / counts[: n - 1]
 
 
@@ -118,18 +125,24 @@ def layer_statistics(q: torch.Tensor, k: torch.Tensor, q_rot: torch.Tensor, k_ro
         out[f"{name}_pair_norm"] = energy.sqrt().mean(dim=1)
         total = energy.sum(dim=(1, 2))
         out[f"{name}_slow_energy_share"] = energy[..., slow].sum(dim=(1, 2)) / total.clamp_min(1e-300)
-    attn = attention_probabilities(q_rot, k_rot, geometry)
-    profile = attention_by_distance(attn)
-    out["attention_by_distance"] = profile
-    out["diagonal"], out["previous_token"] = profile[:, 0], profile[:, 1]
-    out["sink"] = attn[:, 1:, 0].mean(dim=1)
+    group = q.shape[0] // k.shape[0]
+    per_head: dict[str, list[torch.Tensor]] = {"attention_by_distance": [], "sink": [], "prev_fast_only": [],
+                                               "prev_slow_only": []}
+    for h in range(q.shape[0]):  # one head at a time: memory O(N^2), not O(heads N^2)
+        q_h, k_h = q_rot[h:h + 1], k_rot[h // group:h // group + 1]
+        attn = attention_probabilities(q_h, k_h, geometry)
+        per_head["attention_by_distance"].append(attention_by_distance(attn)[0])
+        per_head["sink"].append(attn[0, 1:, 0].mean())
+        del attn
+        per_head["prev_fast_only"].append(_mass_at(q_h, k_h, geometry, slow, 1)[0])
+        per_head["prev_slow_only"].append(_mass_at(q_h, k_h, geometry, ~slow, 1)[0])
+    out.update({key: torch.stack(values) for key, values in per_head.items()})
+    out["diagonal"], out["previous_token"] = out["attention_by_distance"][:, 0], out["attention_by_distance"][:, 1]
     a, b = pair_channels(geometry.layout, r)
-    k_rep = k_rot.to(torch.float64).repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+    k_rep = k_rot.to(torch.float64).repeat_interleave(group, dim=0)
     qq, kk = q_rot.to(torch.float64)[:, 2:], k_rep[:, 1:-1]  # query i >= 2, key i - 1 >= 1
     contrib = (qq[..., a] * kk[..., a] + qq[..., b] * kk[..., b]).mean(dim=1) * geometry.scaling  # (H, P)
     out["fast_share_prev_logit"] = contrib[:, ~slow].abs().sum(-1) / contrib.abs().sum(-1).clamp_min(1e-300)
-    out["prev_fast_only"] = _mass_at(q_rot, k_rot, geometry, slow, 1)
-    out["prev_slow_only"] = _mass_at(q_rot, k_rot, geometry, ~slow, 1)
     return out
 
 
