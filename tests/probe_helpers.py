@@ -34,7 +34,7 @@ def tiny_model_dir(directory: Path, family: str = "llama", seed: int = 0, **extr
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel")}
     config_name, model_name = classes[family]
     kwargs = dict(n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0) if family == "gpt2" else TINY
-    config = getattr(transformers, config_name)(vocab_size=64, **kwargs, **extra)
+    config = getattr(transformers, config_name)(vocab_size=64, **(kwargs | extra))
     torch.manual_seed(seed)
     getattr(transformers, model_name)(config).save_pretrained(directory)
     word_tokenizer(directory)

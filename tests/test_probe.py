@@ -170,3 +170,39 @@ def test_the_output_folder_is_the_old_one_or_the_new_one_whatever_step_fails(lla
         files.remove_stale_staging(tmp_path)  # what a stopped run leaves is hidden, and the next write removes it
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert len(texts) == 2
+
+
+def test_ctrl_c_during_the_capture_is_one_line_exit_130_and_leaves_no_folder(tmp_path):
+    """A real SIGINT while the progress bar counts layers: one line, exit code 130, the new output folder removed."""
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    model = tiny_model_dir(tmp_path / "slow", num_hidden_layers=24, max_position_embeddings=4096)
+    text = tmp_path / "long.txt"
+    text.write_text(PROMPT * 60)
+    src = Path(__file__).resolve().parent.parent / "src"
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(src), os.environ.get("PYTHONPATH")]))}
+    out = tmp_path / "new" / "probe"
+    proc = subprocess.Popen([sys.executable, "-m", "ropekit", "probe", "--model", str(model), "--text", str(text),
+                             "--tokens", "2048", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env)
+    seen, deadline = b"", time.monotonic() + 240
+    try:
+        while b"probe (" not in seen:  # the progress bar: the capture forward is under way
+            assert time.monotonic() < deadline and proc.poll() is None, seen[-500:]
+            if select.select([proc.stderr], [], [], 0.5)[0]:
+                seen += os.read(proc.stderr.fileno(), 4096)
+        proc.send_signal(signal.SIGINT)
+        stdout, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    err = (seen + err).decode()
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1] == "ropekit probe: interrupted" and "Traceback" not in err
+    assert stdout == b"" and not (tmp_path / "new").exists()
