@@ -66,6 +66,12 @@ def test_the_cli_writes_the_page_and_the_same_json_it_prints(llama, tmp_path, ca
     assert all(f'src="{name}"' in html for name in printed["figures"])
 
 
+def test_the_help_tells_the_labs_own_defaults():
+    from ropekit.cli import probe as cli_probe
+
+    assert (cli_probe.QUICK_TOKENS, cli_probe.DEFAULT_TOKENS) == (lab_probe.QUICK_TOKENS, lab_probe.DEFAULT_TOKENS)
+
+
 def test_p_rope_curve_without_quick(llama, tmp_path):
     loaded = load_model_dir(llama)
     ids = lab_probe.encode(loaded.tokenizer, PROMPT, 512, "--prompt")
