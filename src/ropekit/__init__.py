@@ -35,11 +35,14 @@ _EXPORTS = {
     "channel_permutation": "rope.layouts",
     "convert_layout": "rope.layouts",
     "permute_qk_weight": "rope.layouts",
+    "LayoutEvidence": "rope.pairing",
+    "detect_layout": "rope.pairing",
 }
 _SUBMODULES = ("backends", "distributed", "multiaxis", "ops", "scaling")
 
 __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "AxisPlan",
+    "LayoutEvidence",
     "RopeConfig",
     "RotaryEmbedding",
     "apply_reference",
@@ -51,6 +54,7 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "convert_layout",
     "cos_sin",
     "distributed",
+    "detect_layout",
     "inv_frequencies",
     "multiaxis",
     "ops",
@@ -72,6 +76,7 @@ if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names a
     from .rope.axes import AxisPlan
     from .rope.frequencies import base_inv_freq, cos_sin, rotation_angles
     from .rope.layouts import channel_permutation, convert_layout, permute_qk_weight
+    from .rope.pairing import LayoutEvidence, detect_layout
 
 
 def _version() -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from ..functional import apply_rotary_qk
 from ..rope.axes import AxisPlan
 from ..rope.frequencies import cos_sin
 
-_ACTIVE: list[tuple[str, str]] = []  # (layout, backend) of the patched attention now running
+_ACTIVE: list[tuple[str, str, Any, Any]] = []  # (layout, backend, module, capture) of the patched attention running
 _INSTALLED: dict[str, list[Any]] = {}  # modeling module name -> [original apply_rotary_pos_emb, users]
 _STATE = "_ropekit_patch"
 
@@ -45,9 +46,12 @@ def _dispatcher(original):
             return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
         if args:
             unsqueeze_dim = args[0]
-        layout, backend = _ACTIVE[-1]  # cos/sin: the half-width tables of _rotary_forward
-        return apply_rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim), layout=layout,
-                               backend=backend)
+        layout, backend, module, capture = _ACTIVE[-1]  # cos/sin: the half-width tables of _rotary_forward
+        q_out, k_out = apply_rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim),
+                                       layout=layout, backend=backend)
+        if capture is not None:
+            capture(module, q, k, q_out, k_out)
+        return q_out, k_out
 
     apply_rotary_pos_emb.__ropekit_original__ = original
     return apply_rotary_pos_emb
@@ -87,9 +91,9 @@ def _language_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _attention_forward(original, layout: str, backend: str):
+def _attention_forward(original, layout: str, backend: str, capture):
     def forward(self, *args, **kwargs):
-        _ACTIVE.append((layout, backend))
+        _ACTIVE.append((layout, backend, self, capture))
         try:
             return original(*args, **kwargs)
         finally:
@@ -103,7 +107,25 @@ def _modeling_module(module: torch.nn.Module):
     return mod if mod is not None and callable(getattr(mod, "apply_rotary_pos_emb", None)) else None
 
 
-def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: str = "auto") -> torch.nn.Module:
+def patchable_modules(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """``(rotary embedding modules, attention modules)`` that :func:`patch` would override.
+
+    Works on a model built on the ``meta`` device too (nothing is computed). Raises ``ValueError``
+    naming the model class when either list is empty: a family :func:`patch` does not support.
+    """
+    text = _language_model(model)  # a multimodal model's vision tower is left alone
+    rotary = [m for m in text.modules() if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq")]
+    attention = [m for m in text.modules() if type(m).__name__.endswith("Attention") and _modeling_module(m)]
+    if not rotary or not attention:
+        raise ValueError(f"{type(model).__name__}: found {len(rotary)} rotary embedding and {len(attention)} "
+                         "attention modules; ropekit.integrations.transformers supports models with a "
+                         "*RotaryEmbedding module and apply_rotary_pos_emb (Llama, Mistral, Qwen2/3, Phi-3, GPT-NeoX, "
+                         "Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
+    return rotary, attention
+
+
+def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: str = "auto",
+          capture: Callable | None = None) -> torch.nn.Module:
     """Compute ``model``'s RoPE with ropekit; returns ``model`` (patched in place).
 
     Args:
@@ -114,6 +136,11 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
             Hugging Face weights; ``"interleaved"`` for a checkpoint whose q/k rows are in Meta /
             llama.cpp order (e.g. converted with ``ropekit convert --to interleaved``).
         backend: ropekit backend for the rotation (``"auto"`` or a name from ``ropekit.ops.available()``).
+        capture: called as ``capture(module, q, k, q_rotated, k_rotated)`` each time an attention
+            module rotates: the module (``module.layer_idx`` says which layer), and q/k before and
+            after the rotation, ``(batch, heads, seq, head_dim)`` and ``(batch, kv_heads, seq,
+            head_dim)`` (before any grouped-query repeat; what the modeling code passes, e.g. after a
+            q/k norm). For measurements (``ropekit probe``); it must not change the tensors.
 
     Raises:
         ValueError: already patched, no rotary/attention module found, or ``rope`` that does not fit.
@@ -128,6 +155,8 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
     rope = own if rope is None else rope
     if not isinstance(rope, RopeConfig):
         raise TypeError(f"rope must be a ropekit.RopeConfig or None, got {type(rope).__name__}")
+    if capture is not None and not callable(capture):
+        raise TypeError(f"capture must be callable or None, got {type(capture).__name__}")
     if (rope.head_dim, rope.rotary_dim) != (own.head_dim, own.rotary_dim):
         raise ValueError(f"rope has head_dim {rope.head_dim}, rotary_dim {rope.rotary_dim}; the model has "
                          f"head_dim {own.head_dim}, rotary_dim {own.rotary_dim}")
@@ -139,14 +168,7 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
         raise ValueError("length-dependent scaling (dynamic NTK, LongRoPE) needs fixed_seq_len for a KV cache; "
                          "use RopeConfig.from_hf(config, fixed_seq_len=...)")
     inv_freq, scale = rope.inv_frequencies()
-    text = _language_model(model)
-    rotary = [m for m in text.modules() if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq")]
-    attention = [m for m in text.modules() if type(m).__name__.endswith("Attention") and _modeling_module(m)]
-    if not rotary or not attention:
-        raise ValueError(f"{type(model).__name__}: found {len(rotary)} rotary embedding and {len(attention)} "
-                         "attention modules; ropekit.integrations.transformers supports models with a "
-                         "*RotaryEmbedding module and apply_rotary_pos_emb (Llama, Mistral, Qwen2/3, Phi-3, GPT-NeoX, "
-                         "Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
+    rotary, attention = patchable_modules(model)
     for m in rotary:
         if rope.axes is not None:
             m.forward = types.MethodType(_multi_axis_rotary_forward(rope.axis_plan()), m)
@@ -154,7 +176,7 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
             m.forward = types.MethodType(_rotary_forward(inv_freq.to(m.inv_freq.device), scale), m)
     modules = []
     for m in attention:
-        m.forward = types.MethodType(_attention_forward(m.forward, rope.layout, backend), m)
+        m.forward = types.MethodType(_attention_forward(m.forward, rope.layout, backend, capture), m)
         mod = _modeling_module(m)
         if mod.__name__ not in modules:
             modules.append(mod.__name__)

@@ -6,6 +6,7 @@
 - :mod:`.layouts`: the two pairings (half, interleaved) and the q/k weight permutation between them;
 - :mod:`.shards`: the global positions each rank of a context-parallel group holds
   (contiguous, zigzag, striped; packed batches);
+- :mod:`.pairing`: which pairing a checkpoint was trained with, told from its q/k weights alone;
 - :mod:`.analysis`: wavelengths, the long-term decay bound (RoFormer eq. 37), the base a context
   needs, and a config's description for ``ropekit inspect`` (:mod:`.analysis_axes` for multi-axis plans);
 - :mod:`.axes`: multi-axis RoPE, :class:`~.axes.AxisPlan` (one axis and one frequency per pair) and
