@@ -26,3 +26,20 @@ def test_readme_api_example_runs():
     q_rot, k_rot = namespace["q_rot"], namespace["k_rot"]
     assert q_rot.shape == (300, 32, 128) and k_rot.shape == (300, 8, 128)
     assert torch.isfinite(q_rot).all() and not torch.equal(q_rot, namespace["packed_q"])
+
+
+def test_ci_runs_the_readme_test_command():
+    text = README.read_text(encoding="utf-8")
+    command = next(line for line in text.splitlines() if line.startswith("python3 -m venv") and "pytest" in line)
+    ci = (README.parent / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+    assert ci == command
+
+
+def test_readme_multiaxis_example_runs():
+    text = README.read_text(encoding="utf-8")
+    code = python_blocks(text[text.index("## Multi-axis RoPE"):])[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md (multi-axis)", "exec"), namespace)  # noqa: S102 - our own documentation
+    assert namespace["q_rot"].shape == (2, 12, 257, 64)
+    assert namespace["positions"][0, :, 0].tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3, 6, 7]
+    assert namespace["q"].shape == (1, 28, 11, 128) and namespace["k"].shape == (1, 4, 11, 128)

@@ -202,3 +202,15 @@ def test_built_from_a_config_without_scaling():
     config = ropekit.RopeConfig(head_dim=16, base=500.0, layout="interleaved")
     xpos = XPosEmbedding.from_config(config)
     assert (xpos.head_dim, xpos.base, xpos.layout, xpos.scale_base) == (16, 500.0, "interleaved", 512.0)
+
+
+def test_a_shard_with_its_global_positions_is_a_slice_of_the_whole():
+    """Context parallelism: a rank rotates its part of the sequence with the global positions (and seq_len)."""
+    xpos = XPosEmbedding(16, scale_base=32.0)
+    q, k = torch.randn(2, 3, 12, 16), torch.randn(2, 3, 12, 16)
+    full_q, full_k = xpos(q, k)
+    part_q, part_k = xpos(q[:, :, 5:9], k[:, :, 5:9], torch.arange(5, 9), seq_len=12)
+    torch.testing.assert_close(part_q, full_q[:, :, 5:9])
+    torch.testing.assert_close(part_k, full_k[:, :, 5:9])
+    with pytest.raises(ValueError, match="shard_scheme: XPosEmbedding takes plain tensors"):
+        xpos(q, k, shard_scheme="contiguous")

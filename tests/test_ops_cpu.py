@@ -677,3 +677,17 @@ def test_disabled_by_environment_in_a_fresh_process(tmp_path):
                                                   "ROPEKIT_CACHE_DIR": str(tmp_path / "cache")})
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
     assert not (tmp_path / "cache").exists()
+
+
+def test_empty_tensors_with_any_strides_rotate_forward_and_backward():
+    """A rank holding no token of a sequence (uneven contiguous shards) rotates an empty q whose gradient
+    comes with strides the kernel's layout checks would refuse: nothing to compute, nothing refused."""
+    rope = ropekit.RotaryEmbedding(8)
+    hidden = torch.randn(2, 0, 32, requires_grad=True)
+    q = hidden.unflatten(-1, (4, 8)).transpose(1, 2)  # (2, 4, 0, 8), as RotarySelfAttention splits heads
+    q_rot, k_rot = rope(q, q * 2, torch.arange(0))
+    (q_rot.sum() + k_rot.sum()).backward()
+    assert hidden.grad.shape == (2, 0, 32)
+    odd = torch.empty(2, 4, 0, 8).as_strided((2, 4, 0, 8), (0, 0, 0, 0))
+    for inplace in (False, True):
+        assert ropekit.apply_rotary(odd, torch.ones(1, 4), torch.zeros(1, 4), inplace=inplace).shape == odd.shape

@@ -1,9 +1,10 @@
-"""Modules: rotary embedding (and xPos), attention with RoPE (softmax and linear) or ALiBi, absolute encodings."""
+"""Modules: rotary embedding (1-D, multi-axis, xPos), attention with RoPE or ALiBi, absolute encodings."""
 
 from .absolute import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .alibi import ALiBiSelfAttention, alibi_bias, alibi_slopes
 from .attention import KVCache, RotarySelfAttention
 from .linear_attention import RotaryLinearAttention, causal_linear_attention
+from .multiaxis import MixedRotaryEmbedding, MultiAxisRotaryEmbedding
 from .rotary import RotaryEmbedding
 from .xpos import XPosEmbedding, xpos_zeta
 
@@ -11,6 +12,8 @@ __all__ = [
     "ALiBiSelfAttention",
     "KVCache",
     "LearnedPositionalEmbedding",
+    "MixedRotaryEmbedding",
+    "MultiAxisRotaryEmbedding",
     "RotaryEmbedding",
     "RotaryLinearAttention",
     "RotarySelfAttention",

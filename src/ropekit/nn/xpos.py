@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..validation import check_positive_float
+from ..validation import check_positive_float, is_dtensor
 from .rotary import MAX_CACHED_POSITIONS, RotaryEmbedding
 
 #: The largest ``|exponent|`` of a scale factor: ``exp(80)`` is about 5.5e34, below float32's 3.4e38.
@@ -33,6 +33,13 @@ def xpos_zeta(rotary_dim: int, gamma: float = 0.4) -> torch.Tensor:
     """``zeta_i = (2i / rotary_dim + gamma) / (1 + gamma)`` for each pair ``i``: float64 ``(rotary_dim // 2,)``."""
     i = torch.arange(rotary_dim // 2, dtype=torch.float64)
     return (2 * i / rotary_dim + gamma) / (1 + gamma)
+
+
+def _plain(q: Any, k: Any, shard_scheme: str | None) -> None:
+    """Refuse DTensor inputs: the scale factors are computed from plain positions."""
+    if shard_scheme is not None or is_dtensor(q) or is_dtensor(k):
+        raise ValueError("shard_scheme: XPosEmbedding takes plain tensors; rotate a shard with its global "
+                         "positions= (ropekit.distributed.shard_positions or ContextShard.positions)")
 
 
 class XPosEmbedding(RotaryEmbedding):
@@ -152,10 +159,13 @@ class XPosEmbedding(RotaryEmbedding):
         offset: int | torch.Tensor = 0,
         seq_dim: int = -2,
         inplace: bool = False,
+        seq_len: int | None = None,
+        shard_scheme: str | None = None,
         key: bool = False,
     ) -> torch.Tensor:
         """Rotate and scale one tensor: as a query (``zeta^((n-c)/B)``), or as a key with ``key=True``."""
-        rotated = super().rotate(x, positions, offset=offset, seq_dim=seq_dim, inplace=inplace)
+        _plain(x, None, shard_scheme)
+        rotated = super().rotate(x, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len)
         return self._scaled(x, rotated, positions, offset, seq_dim, key, inplace)
 
     def forward(
@@ -167,15 +177,19 @@ class XPosEmbedding(RotaryEmbedding):
         offset: int | torch.Tensor = 0,
         seq_dim: int = -2,
         inplace: bool = False,
+        seq_len: int | None = None,
+        shard_scheme: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(q', k')``: RoPE as :meth:`RotaryEmbedding.forward`, then the query and key factors.
 
         Arguments and shapes as in :meth:`ropekit.nn.RotaryEmbedding.forward`; ``k=None``
-        returns ``(q', None)``.
+        returns ``(q', None)``. A shard of a sequence takes its global ``positions=``; DTensor
+        q/k (``shard_scheme``) are refused.
         """
+        _plain(q, k, shard_scheme)
         if k is None:
-            return self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace), None
-        rq, rk = super().forward(q, k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace)
+            return self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len), None
+        rq, rk = super().forward(q, k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len)
         return (self._scaled(q, rq, positions, offset, seq_dim, False, inplace),
                 self._scaled(k, rk, positions, offset, seq_dim, True, inplace))
 
