@@ -68,9 +68,15 @@ def bad_command_lines(h) -> dict[tuple[str, ...], str]:
     return {
         ("train", "--steps", "0"): "--steps: expected an integer >= 1, got '0'",
         ("train", "--quick", "--out", str(h["under_file"])): "lies under the file",
-        ("train", "--encoding", "alibi"): "invalid choice: 'alibi'",
+        ("train", "--encoding", "t5-bias"): "invalid choice: 't5-bias'",
         ("extrapolate", "--out", str(h["file"])): "must be a directory",
         ("extrapolate", "--context", "1"): "--context: expected an integer >= 2",
+        ("train", "--encoding", "alibi", "--attention", "linear", "--out", str(h["tmp"] / "t")):
+            "--encoding alibi acts on softmax logits: it needs --attention softmax",
+        ("train", "--rope-fraction", "0"): "--rope-fraction: expected a number in (0, 1], got '0'",
+        ("extrapolate", "--encodings", "rope,rope"): "--encodings: expected distinct names",
+        ("extrapolate", "--encodings", "rope,xpos", "--attention", "linear", "--out", str(h["tmp"] / "x")):
+            "--encodings: xpos acts on softmax logits",
         ("report", "--quick", "--out", str(h["under_file"] / "deeper")): "lies under the file",
         ("decay", "--dim", "7", "--max-distance", "10"): "--dim must be a positive even number",
         ("decay", "--dim", "8", "--max-distance", "10", "--png", str(h["under_file"])): "directory does not exist",
@@ -99,7 +105,8 @@ def test_bad_input_is_one_line_and_exit_code_2(hostile, command):
 
 def test_bad_output_fails_before_torch_is_imported(hostile):
     cases = [["train", "--out", str(hostile["under_file"])], ["extrapolate", "--quick", "--out", str(hostile["file"])],
-             ["report", "--out", str(hostile["under_file"])], ["train", "--steps", "-3"]]
+             ["report", "--out", str(hostile["under_file"])], ["train", "--steps", "-3"],
+             ["train", "--encoding", "xpos", "--attention", "linear", "--out", str(hostile["tmp"] / "t")]]
     for argv, done in zip(cases, run_all([[sys.executable, "-c", NO_TORCH_RUNNER, *a] for a in cases]), strict=True):
         assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, (argv, done.stderr)
 
