@@ -55,10 +55,12 @@ def measure(fns: dict, repeats: int, calls: int = 1, warmup: int = 3) -> dict[st
 
 
 def prefill(dtype: torch.dtype, repeats: int) -> dict:
+    """q, k ``(1, 32, 4096, 128)``: fused RMSNorm + rotation against the unfused pair and the copy floors."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 32, 4096, 128, generator=gen).to(dtype)
     k = torch.randn(1, 32, 4096, 128, generator=gen).to(dtype)
-    wq, wk = (torch.randn(128, generator=gen) * 0.2 + 1).to(dtype), (torch.randn(128, generator=gen) * 0.2 + 1).to(dtype)
+    wq = (torch.randn(128, generator=gen) * 0.2 + 1).to(dtype)
+    wk = (torch.randn(128, generator=gen) * 0.2 + 1).to(dtype)
     inv_freq, _ = ropekit.inv_frequencies(128, base=1e6)
     cos, sin = ropekit.cos_sin(torch.arange(4096), inv_freq)
     cos, sin = cos[None, None], sin[None, None]
@@ -77,6 +79,7 @@ def prefill(dtype: torch.dtype, repeats: int) -> dict:
 
 
 def decode(dtype: torch.dtype, repeats: int) -> dict:
+    """k, v ``(16, 32, 1, 128)`` into ``(16, 32, 1024, 128)`` caches: rotate-into-cache against rotate-then-copy."""
     gen = torch.Generator().manual_seed(1)
     batch, heads, length, dim, position = 16, 32, 1024, 128, 700
     k = torch.randn(batch, heads, 1, dim, generator=gen).to(dtype)
@@ -103,6 +106,7 @@ def decode(dtype: torch.dtype, repeats: int) -> dict:
 
 
 def tiny_qwen3(dtype: torch.dtype):
+    """A random 4-layer Qwen3 (q/k norms) small enough that RoPE and the norms are a visible share of a step."""
     import transformers
 
     config = transformers.Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -114,6 +118,7 @@ def tiny_qwen3(dtype: torch.dtype):
 
 
 def model(dtype: torch.dtype, repeats: int) -> dict:
+    """Greedy decoding tokens/s of the tiny Qwen3, patched and not, with each cache."""
     from transformers.cache_utils import StaticCache
 
     from ropekit.integrations.transformers import patch, static_cache, unpatch
@@ -151,7 +156,8 @@ def model(dtype: torch.dtype, repeats: int) -> dict:
                  "patched, ropekit static cache": patched_static}, repeats, warmup=1)
     return {"tokens_per_s": {n: new / v[0] for n, v in t.items()}, "spread_pct": {n: v[1] for n, v in t.items()},
             "patched_vs_unpatched": t["unpatched"][0] / t["patched"][0],
-            "patched_static_vs_unpatched_static": t["unpatched, StaticCache"][0] / t["patched, ropekit static cache"][0]}
+            "patched_static_vs_unpatched_static": (t["unpatched, StaticCache"][0]
+                                                   / t["patched, ropekit static cache"][0])}
 
 
 def main() -> None:

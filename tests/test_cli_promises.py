@@ -31,7 +31,7 @@ CONSOLE = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ropekit"
 PYTHON_M = [sys.executable, "-m", "ropekit"]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MAX_CHARS = "120000"
-VERBS = ("inspect", "decay", "report", "bench", "convert", "train", "extrapolate")
+VERBS = ("inspect", "decay", "report", "bench", "convert", "train", "extrapolate", "probe")
 
 # main(argv) in a fresh interpreter; exit code 99 if torch was imported on the way
 NO_TORCH_RUNNER = """
@@ -68,14 +68,24 @@ def bad_command_lines(h) -> dict[tuple[str, ...], str]:
     return {
         ("train", "--steps", "0"): "--steps: expected an integer >= 1, got '0'",
         ("train", "--quick", "--out", str(h["under_file"])): "lies under the file",
-        ("train", "--encoding", "alibi"): "invalid choice: 'alibi'",
+        ("train", "--encoding", "t5-bias"): "invalid choice: 't5-bias'",
         ("extrapolate", "--out", str(h["file"])): "must be a directory",
         ("extrapolate", "--context", "1"): "--context: expected an integer >= 2",
+        ("train", "--encoding", "alibi", "--attention", "linear", "--out", str(h["tmp"] / "t")):
+            "--encoding alibi acts on softmax logits: it needs --attention softmax",
+        ("train", "--rope-fraction", "0"): "--rope-fraction: expected a number in (0, 1], got '0'",
+        ("extrapolate", "--encodings", "rope,rope"): "--encodings: expected distinct names",
+        ("extrapolate", "--encodings", "rope,xpos", "--attention", "linear", "--out", str(h["tmp"] / "x")):
+            "--encodings: xpos acts on softmax logits",
         ("report", "--quick", "--out", str(h["under_file"] / "deeper")): "lies under the file",
         ("decay", "--dim", "7", "--max-distance", "10"): "--dim must be a positive even number",
         ("decay", "--dim", "8", "--max-distance", "10", "--png", str(h["under_file"])): "directory does not exist",
         ("inspect", "--config", str(h["missing"])): "config file not found",
         ("bench", "--threads", "0"): "--threads",
+        ("probe",): "one of the arguments --model --gguf --example is required",
+        ("probe", "--example", "--tokens", "2"): "--tokens: expected an integer >= 3",
+        ("probe", "--model", str(h["missing"])): "no such directory",
+        ("probe", "--example", "--prompt", ""): "--prompt: the text is empty",
         ("convert", str(h["missing"]), str(h["tmp"] / "dst"), "--to", "half", "--heads", "4"): "",
         (): "the following arguments are required: <verb>",
     }
@@ -95,7 +105,8 @@ def test_bad_input_is_one_line_and_exit_code_2(hostile, command):
 
 def test_bad_output_fails_before_torch_is_imported(hostile):
     cases = [["train", "--out", str(hostile["under_file"])], ["extrapolate", "--quick", "--out", str(hostile["file"])],
-             ["report", "--out", str(hostile["under_file"])], ["train", "--steps", "-3"]]
+             ["report", "--out", str(hostile["under_file"])], ["train", "--steps", "-3"],
+             ["train", "--encoding", "xpos", "--attention", "linear", "--out", str(hostile["tmp"] / "t")]]
     for argv, done in zip(cases, run_all([[sys.executable, "-c", NO_TORCH_RUNNER, *a] for a in cases]), strict=True):
         assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, (argv, done.stderr)
 
@@ -161,7 +172,8 @@ def test_a_failed_run_removes_only_the_empty_folders_it_created(monkeypatch, tmp
 
 @pytest.mark.parametrize("verb, module, attribute", [("train", "ropekit.lab.train", "run"),
                                                      ("extrapolate", "ropekit.lab.extrapolate", "run"),
-                                                     ("report", "ropekit.lab.report", "write_report")])
+                                                     ("report", "ropekit.lab.report", "write_report"),
+                                                     ("probe", "ropekit.lab.probe", "run")])
 def test_unwritable_output_fails_before_the_work(monkeypatch, tmp_path, capsys, verb, module, attribute):
     monkeypatch.setattr(importlib.import_module(module), attribute, lambda *a, **k: pytest.fail("worked first"))
     a_file = tmp_path / "a-file"
@@ -170,7 +182,7 @@ def test_unwritable_output_fails_before_the_work(monkeypatch, tmp_path, capsys, 
     if Path("/proc/self").is_dir():  # procfs accepts no new files, not even from root
         cases["/proc/ropekit-out"] = "is not writable: cannot create a file in '/proc'"
     for out, words in cases.items():
-        assert main([verb, "--out", out]) == 2, out
+        assert main([verb, *(["--example"] if verb == "probe" else []), "--out", out]) == 2, out
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == 1 and words in lines[0], (out, lines)
 
@@ -312,7 +324,7 @@ def test_default_output_folders_are_ignored_by_git():
     parser = cli.build_parser()
     verbs = next(action for action in parser._actions if action.dest == "verb").choices
     defaults = {verb: sub.get_default("out") for verb, sub in verbs.items() if sub.get_default("out")}
-    assert set(defaults) == {"report", "train", "extrapolate"}
+    assert set(defaults) == {"report", "train", "extrapolate", "probe"}
     for verb, folder in defaults.items():
         done = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", f"{folder}/results.json"], env=ENV)
         assert done.returncode == 0, f"{verb}'s default --out {folder}/ is not in .gitignore"

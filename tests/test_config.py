@@ -228,9 +228,18 @@ def test_from_hf_rejects_other_objects():
         RopeConfig.from_hf(3)
 
 
-def test_default_and_mrope_types_are_plain_rope():
-    for params in ({"rope_type": "default"}, {"type": "mrope", "mrope_section": [16, 24, 24]}, None, {}):
-        assert RopeConfig.from_hf({**LLAMA2, "rope_scaling": params}).scaling is None
+def test_default_type_is_plain_rope():
+    for params in ({"rope_type": "default"}, None, {}):
+        rope = RopeConfig.from_hf({**LLAMA2, "rope_scaling": params})
+        assert rope.scaling is None and rope.axes is None
+
+
+def test_mrope_keys_on_a_model_without_a_known_axis_map_raise_instead_of_becoming_1d():
+    # this used to be read as plain 1-D RoPE without a word (tests/test_config_multiaxis.py has the rest)
+    for params in ({"type": "mrope", "mrope_section": [16, 24, 24]},
+                   {"rope_type": "default", "mrope_section": [16, 24, 24]}):
+        with pytest.raises(ValueError, match="model_type 'llama' has multi-axis RoPE"):
+            RopeConfig.from_hf({**LLAMA2, "rope_scaling": params})
 
 
 # -- RotaryEmbedding ----------------------------------------------------------------------------

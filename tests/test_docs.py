@@ -38,3 +38,18 @@ def test_readme_fused_example_runs_and_writes_the_slots():
         assert k_cache[row, :, length].abs().sum() > 0 and not k_cache[row, :, length + 1:].any()
         assert torch.allclose(k_cache[row, :, length].norm(dim=-1), k_new[row, :, 0].norm(dim=-1), rtol=1e-5)
     assert namespace["q_out"].shape == (1, 512, 32, 128)
+def test_ci_runs_the_readme_test_command():
+    text = README.read_text(encoding="utf-8")
+    command = next(line for line in text.splitlines() if line.startswith("python3 -m venv") and "pytest" in line)
+    ci = (README.parent / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+    assert ci == command
+
+
+def test_readme_multiaxis_example_runs():
+    text = README.read_text(encoding="utf-8")
+    code = python_blocks(text[text.index("## Multi-axis RoPE"):])[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md (multi-axis)", "exec"), namespace)  # noqa: S102 - our own documentation
+    assert namespace["q_rot"].shape == (2, 12, 257, 64)
+    assert namespace["positions"][0, :, 0].tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3, 6, 7]
+    assert namespace["q"].shape == (1, 28, 11, 128) and namespace["k"].shape == (1, 4, 11, 128)

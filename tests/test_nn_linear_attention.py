@@ -212,3 +212,118 @@ def test_forward_errors_name_the_argument():
         module(torch.randn(1, 5, 8), torch.arange(4))
     with pytest.raises(ValueError, match="positions"):
         module(torch.randn(1, 5, 8), torch.tensor([0, 1, -2, 3, 4]))
+
+
+# -- the causal form, chunk by chunk ---------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(seq=st.integers(1, 11), chunk_size=st.integers(1, 13), layout=st.sampled_from(["half", "interleaved"]),
+       seed=st.integers(0, 2**16))
+def test_causal_chunks_equal_the_quadratic_definition(seq, chunk_size, layout, seed):
+    """RoFormer eq. (19), causal, evaluated pair by pair, whatever the chunk size (1, dividing or not, > seq)."""
+    torch.manual_seed(seed)
+    module = RotaryLinearAttention(8, 2, layout=layout, causal=True, chunk_size=chunk_size).double()
+    x = torch.randn(2, seq, 8, dtype=torch.float64)
+    positions = torch.randint(0, 60, (2, seq))
+    torch.testing.assert_close(module(x, positions), oracle_eq19(module, x, positions, layout=layout),
+                               atol=ORACLE_ATOL, rtol=0)
+
+
+def test_causal_chunks_gradients():
+    """The backward through the chunk loop is the derivative of the same sums (finite differences, float64)."""
+    from ropekit.nn import causal_linear_attention
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.rand(1, 2, 7, 4, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(5)]
+    assert torch.autograd.gradcheck(lambda *t: causal_linear_attention(*t, chunk_size=3), inputs)
+
+
+MEMORY_SCRIPT = """
+import sys, torch
+torch.set_num_threads(1)
+from ropekit.nn import causal_linear_attention
+form, sizes = sys.argv[1], [int(n) for n in sys.argv[2:]]
+heads, d = 4, 64
+
+def run(seq):
+    gen = torch.Generator().manual_seed(0)
+    rq, rk, pq, pk, v = (torch.rand(1, heads, seq, d, generator=gen) for _ in range(5))
+    if form == "chunked":
+        return causal_linear_attention(rq, rk, pq, pk, v)
+    if form == "prefix":  # the former causal path: one d x d prefix sum per position
+        kv = torch.einsum("bhnd,bhne->bhnde", rk, v).cumsum(dim=2)
+        return torch.einsum("bhnd,bhnde->bhne", rq, kv) / (pq * pk.cumsum(dim=2)).sum(-1, keepdim=True)
+    weights = (rq @ rk.transpose(-1, -2)).tril()  # the definition: an N x N matrix per head
+    return (weights @ v) / (pq @ pk.transpose(-1, -2)).tril().sum(-1, keepdim=True)
+
+def status_kib(key):
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith(key + ":"))
+
+with torch.no_grad():
+    run(64)
+    for seq in sizes:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # reset the peak (VmHWM) to the current resident size
+        before = status_kib("VmRSS")
+        run(seq)
+        print(status_kib("VmHWM") - before)
+"""
+
+
+def peak_growth_mib(form: str, *sizes: int) -> tuple[float, ...]:
+    """Peak resident memory (Linux VmHWM, reset before each run) added by one forward at each size, MiB."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, form, *map(str, sizes)], capture_output=True,
+                          text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    return tuple(int(line) / 1024 for line in done.stdout.split())
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
+def test_causal_peak_memory_grows_linearly_not_with_the_square():
+    """Peak memory at N and 4N tokens (4 heads of 64, float32): the chunked form adds little beyond its inputs.
+
+    Inputs and output are 6 tensors of N * 4 * 64 floats (6 MiB at N = 1024). The growth from N to
+    4N must stay within twice what those tensors grow by (the extra memory does not depend on N),
+    and must be 4x-like. The same meter sees the former prefix-sum form (a d x d matrix per
+    position) and the quadratic definition (an N x N matrix per head) blow far past that bound.
+    """
+    small, large = 1024, 4096
+    io_growth = 6 * (large - small) * 4 * 64 * 4 / 2**20  # MiB
+    growth = {form: peak_growth_mib(form, small, large) for form in ("chunked", "prefix", "quadratic")}
+    chunked = growth["chunked"]
+    assert chunked[1] - chunked[0] <= 2 * io_growth, growth
+    assert chunked[1] <= 5 * chunked[0] + 4, growth
+    for control in ("prefix", "quadratic"):
+        assert growth[control][1] - growth[control][0] > 4 * io_growth, growth
+    assert growth["quadratic"][1] > 10 * growth["quadratic"][0], growth  # the square shows
+
+
+def test_chunk_size_is_checked():
+    with pytest.raises(ValueError, match="chunk_size"):
+        RotaryLinearAttention(8, 2, causal=True, chunk_size=0)
+    with pytest.raises(TypeError, match="chunk_size"):
+        RotaryLinearAttention(8, 2, causal=True, chunk_size=2.0)
+
+
+@pytest.mark.parametrize("seq", [5, 8, 13])  # one chunk covering the sequence, exactly one, several
+def test_gradients_agree_on_every_backend(seq):
+    """One chunk over the whole sequence hands the rotation a transposed gradient: still exact on each backend."""
+    available = ropekit.ops.available()
+    torch.manual_seed(0)
+    reference = RotaryLinearAttention(16, 2, causal=True, chunk_size=8)
+    reference.rope.backend = "torch"
+    x = torch.randn(3, seq, 16)
+    reference(x).square().sum().backward()
+    for backend in [b for b in ("cpu", "triton") if b in available]:
+        module = RotaryLinearAttention(16, 2, causal=True, chunk_size=8)
+        module.load_state_dict(reference.state_dict())
+        module.rope.backend = backend
+        module(x).square().sum().backward()
+        for got, want in zip(module.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)

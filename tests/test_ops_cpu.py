@@ -146,6 +146,8 @@ def make_x(lead, head_dim, view, dtype, gen):
 
 @settings(max_examples=120)
 @given(cases())
+
+
 def test_matches_eager_and_reference(case):
     gen = torch.Generator().manual_seed(case["seed"])
     dtype, layout = case["dtype"], case["layout"]
@@ -170,7 +172,11 @@ def test_matches_eager_and_reference(case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
+
+
 def test_conjugate_inverts(dtype, layout):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 7, 64, generator=gen).to(dtype)
@@ -184,8 +190,12 @@ def test_conjugate_inverts(dtype, layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("inplace", [False, True])
+
+
 def test_threaded_split_equals_single_call(dtype, layout, inplace):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, 5, 37, 40, generator=gen).to(dtype)  # rows split unevenly
@@ -199,6 +209,8 @@ def test_threaded_split_equals_single_call(dtype, layout, inplace):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+
+
 def test_large_tensors_take_the_planned_threaded_path(layout):
     """Prefill-like sizes, where the reordered walk (_plan) and the thread split kick in."""
     gen = torch.Generator().manual_seed(3)
@@ -222,7 +234,11 @@ def all_16_bit_patterns(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
+
+
 def test_every_16_bit_value_converts_like_torch(dtype, layout):
     """All 65536 inputs (subnormals, inf, NaN) in, and products rounding to every kind of output."""
     values = all_16_bit_patterns(dtype)
@@ -259,7 +275,11 @@ def portable_functions(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
+
+
 def test_portable_build_matches_eager(portable_functions, dtype, layout):
     gen = torch.Generator().manual_seed(5)
     with library(portable_functions):
@@ -375,6 +395,8 @@ def offsets(sizes, strides):
 
 
 @given(st.lists(st.integers(1, 6), min_size=1, max_size=5), st.data())
+
+
 def test_plan_visits_every_row_once(sizes, data):
     contiguous = []
     step = 64
@@ -438,7 +460,11 @@ def decode_case(dtype, layout, half, tail, heads, gen, batch=3):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
+
+
 def test_rows_sharing_a_table_row_match_eager_and_reference(dtype, layout):
     gen = torch.Generator().manual_seed(11)
     for half, tail, heads in [(4, 0, 4), (8, 0, 9), (16, 6, 7), (20, 2, 5), (64, 0, 32), (33, 0, 6)]:
@@ -456,7 +482,11 @@ def test_rows_sharing_a_table_row_match_eager_and_reference(dtype, layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
+
+
 def test_portable_build_rows_sharing_a_table_row(portable_functions, dtype, layout):
     gen = torch.Generator().manual_seed(12)
     with library(portable_functions):
@@ -469,8 +499,12 @@ def test_portable_build_rows_sharing_a_table_row(portable_functions, dtype, layo
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("inplace", [False, True])
+
+
 def test_rotate_pair_equals_two_rotates(dtype, layout, inplace):
     gen = torch.Generator().manual_seed(13)
     for half, tail, q_heads, k_heads in [(64, 0, 32, 32), (64, 0, 32, 8), (16, 6, 7, 1), (8, 0, 4, 4)]:
@@ -511,8 +545,12 @@ def test_rotate_pair_of_mixed_inputs():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("inplace", [False, True])
+
+
 def test_thread_split_equals_one_thread(dtype, layout, inplace):
     """Rows of q and k split over 1-3 of torch's threads: the same bits as one thread, every split point."""
     gen = torch.Generator().manual_seed(15)
@@ -583,6 +621,8 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+
+
 def test_forked_child_runs_the_kernel(tmp_path):
     """After fork the kernel behaves like torch's own CPU ops (same thread pool)."""
     done = run_script(tmp_path, FORK_SCRIPT, {"OMP_NUM_THREADS": "2"}, timeout=120)
@@ -680,7 +720,11 @@ def test_disabled_by_environment_in_a_fresh_process(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
+
+
 def test_portable_build_fused_kernels_give_the_same_bits(portable_functions, dtype, layout):
     """The AVX2 loops of norm_rows.h and the portable ones: the same products, sums and lane order."""
     gen = torch.Generator().manual_seed(12)
@@ -700,3 +744,15 @@ def test_portable_build_fused_kernels_give_the_same_bits(portable_functions, dty
                 results.append((out, *grads))
             for a, b in zip(*results, strict=True):
                 assert torch.equal(bits(a), bits(b))
+def test_empty_tensors_with_any_strides_rotate_forward_and_backward():
+    """A rank holding no token of a sequence (uneven contiguous shards) rotates an empty q whose gradient
+    comes with strides the kernel's layout checks would refuse: nothing to compute, nothing refused."""
+    rope = ropekit.RotaryEmbedding(8)
+    hidden = torch.randn(2, 0, 32, requires_grad=True)
+    q = hidden.unflatten(-1, (4, 8)).transpose(1, 2)  # (2, 4, 0, 8), as RotarySelfAttention splits heads
+    q_rot, k_rot = rope(q, q * 2, torch.arange(0))
+    (q_rot.sum() + k_rot.sum()).backward()
+    assert hidden.grad.shape == (2, 0, 32)
+    odd = torch.empty(2, 4, 0, 8).as_strided((2, 4, 0, 8), (0, 0, 0, 0))
+    for inplace in (False, True):
+        assert ropekit.apply_rotary(odd, torch.ones(1, 4), torch.zeros(1, 4), inplace=inplace).shape == odd.shape

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -148,32 +149,56 @@ def test_layout_is_captioned_and_phone_readable(reports, which):
     assert len(wide) >= 2 and all(a["role"] == "region" and a["tabindex"] == "0" and a["aria-label"] for a in wide)
 
 
-def test_write_report_is_atomic(tmp_path, monkeypatch):
+def test_write_report_is_all_or_nothing_at_every_step(tmp_path, monkeypatch):
+    """Stopped before any file-system step, ``out`` is the whole old report or the whole new one."""
+    from ropekit import files as files_module
+
     out = tmp_path / "out"
     out.mkdir()
-    (out / "index.html").write_text("previous report")
-    files = {"a.png": b"\x89PNG new a", "b.png": b"\x89PNG new b"}
-    monkeypatch.setattr(report_module, "build", lambda *a, **k: ("<html>new</html>", files, {"checks": []}))
-    calls = []
-    real_replace = report_module.os.replace
+    old = {"index.html": b"previous report", "a.png": b"\x89PNG old a", "c.png": b"\x89PNG old c"}
+    new_figures = {"a.png": b"\x89PNG new a", "b.png": b"\x89PNG new b"}
+    new = {**new_figures, "index.html": b"<html>new</html>"}
+    monkeypatch.setattr(report_module, "build", lambda *a, **k: ("<html>new</html>", new_figures, {"checks": []}))
 
-    def failing_replace(src, dst):
-        calls.append(Path(dst).name)
-        if len(calls) == 2:
-            raise OSError("disk full")
-        real_replace(src, dst)
+    def reset():
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        for name, data in old.items():
+            (out / name).write_bytes(data)
 
-    monkeypatch.setattr(report_module.os, "replace", failing_replace)
-    with pytest.raises(OSError, match="disk full"):
-        report_module.write_report(out, None, "x")
-    assert calls == ["a.png", "b.png"]  # index.html is moved last, so it was never replaced
-    assert (out / "index.html").read_text() == "previous report"
-    assert sorted(p.name for p in out.iterdir()) == ["a.png", "index.html"]  # staging directory removed
+    def content():
+        return {p.name: p.read_bytes() for p in out.iterdir()}
 
-    monkeypatch.setattr(report_module.os, "replace", real_replace)
-    summary = report_module.write_report(out, None, "x")
-    assert (out / "index.html").read_text() == "<html>new</html>" and (out / "b.png").read_bytes() == files["b.png"]
-    assert summary["index"] == str((out / "index.html").resolve())
+    steps = []
+    monkeypatch.setattr(files_module, "fs_step", lambda action, path: steps.append(action))
+    reset()
+    report_module.write_report(out, None, "x")
+    assert content() == new and len(steps) >= 4
+    for stop in range(1, len(steps) + 1):
+        reset()
+        seen = []
+
+        def interrupt(action, path, stop=stop, seen=seen):
+            seen.append(action)
+            if len(seen) == stop:
+                raise KeyboardInterrupt(action)
+
+        monkeypatch.setattr(files_module, "fs_step", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            report_module.write_report(out, None, "x")
+        assert content() in (old, new), (stop, steps[stop - 1])
+        monkeypatch.setattr(files_module, "fs_step", lambda action, path: None)
+        summary = report_module.write_report(out, None, "x")  # the next run finishes and leaves nothing behind
+        assert content() == new and summary["index"] == str((out / "index.html").resolve())
+        assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_write_report_refuses_a_directory_of_other_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(report_module, "build", lambda *a, **k: ("<html>new</html>", {}, {"checks": []}))
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="notes.txt"):
+        report_module.write_report(tmp_path, None, "x")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_a_failing_build_writes_nothing(tmp_path, monkeypatch):

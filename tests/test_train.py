@@ -79,7 +79,7 @@ def test_kjv_corpus_content(corpus):
 
 @pytest.mark.parametrize(
     "encoding, attention",
-    [(e, "softmax") for e in charlm.ENCODINGS] + [("rope", "linear"), ("none", "linear")],
+    [(e, "softmax") for e in charlm.ENCODINGS] + [(e, "linear") for e in ("rope", "none", "p-rope", "partial-rope")],
 )
 def test_validation_loss_falls(corpus, encoding, attention):
     model, record = train_one(corpus, encoding, attention, TINY, seed=0, progress=False)
@@ -111,6 +111,69 @@ def test_rope_scaling_changes_only_long_windows(corpus):
         CharLM(CharLMConfig(len(corpus.vocab), encoding="learned", dim=32, layers=1, heads=2)).set_rope_scaling(None)
 
 
+def test_each_encoding_builds_its_own_attention():
+    """What each name means in the model: the modules, their frequencies, which channels turn."""
+    from ropekit.nn import ALiBiSelfAttention, RotaryLinearAttention, RotarySelfAttention, XPosEmbedding
+    from ropekit.scaling import Proportional
+
+    def attn(encoding, attention="softmax", **extra):
+        config = CharLMConfig(65, encoding=encoding, attention=attention, dim=128, heads=4, layers=1, **extra)
+        return CharLM(config).blocks[0].attn
+
+    assert isinstance(attn("alibi"), ALiBiSelfAttention) and attn("alibi").slopes.tolist() == [2**-2, 2**-4,
+                                                                                                2**-6, 2**-8]
+    xpos = attn("xpos")
+    assert isinstance(xpos, RotarySelfAttention) and isinstance(xpos.rope, XPosEmbedding)
+    assert (xpos.rope.scale_base, xpos.rope.center, xpos.rope.rotary_dim) == (512.0, 0, 32)
+    p_rope = attn("p-rope").rope
+    assert p_rope.scaling == Proportional(partial_rotary_factor=0.25) and p_rope.rotary_dim == 32
+    assert p_rope.inv_freq[:4].tolist() == [10000.0 ** (-i / 16) for i in range(4)] and not p_rope.inv_freq[4:].any()
+    partial = attn("partial-rope").rope
+    assert partial.rotary_dim == 8 and partial.inv_freq.tolist() == [10000.0 ** (-i / 4) for i in range(4)]
+    assert attn("partial-rope", rope_fraction=0.5).rope.rotary_dim == 16
+    assert attn("p-rope", rope_fraction=0.5).rope.inv_freq.count_nonzero() == 8
+    linear = attn("p-rope", "linear")
+    assert isinstance(linear, RotaryLinearAttention) and linear.rope.scaling == Proportional(0.25)
+    assert attn("partial-rope", "linear").rope.rotary_dim == 8 and attn("none", "linear").rope is None
+    assert attn("rope-interleaved").rope.layout == "interleaved"
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"encoding": "alibi", "attention": "linear"}, "encoding 'alibi' acts on softmax logits"),
+    ({"encoding": "xpos", "attention": "linear"}, "needs attention='softmax'"),
+    ({"encoding": "p-rope", "rope_fraction": 0.0}, r"rope_fraction must be a number in \(0, 1\]"),
+    ({"encoding": "p-rope", "rope_fraction": 1.5}, "rope_fraction"),
+    ({"encoding": "partial-rope", "rope_fraction": 0.05}, "rotates no pair"),
+])
+def test_config_refuses_what_cannot_be_built(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CharLMConfig(65, dim=64, heads=4, **kwargs)
+
+
+def test_scaling_rules_are_for_full_rope_only():
+    for encoding in ("p-rope", "partial-rope", "xpos", "alibi"):
+        with pytest.raises(ValueError, match=f"encoding='{encoding}'"):
+            CharLM(CharLMConfig(65, encoding=encoding, dim=32, layers=1, heads=2)).set_rope_scaling(None)
+
+
+def test_a_model_file_without_rope_fraction_still_loads(corpus, tmp_path):
+    """Model files written before rope_fraction existed carry no such key: the default applies."""
+    model, _ = train_one(corpus, "rope", "softmax", Sizes(**{**vars(TINY), "steps": 2}), seed=0, progress=False)
+    save_model(model, tmp_path / "old.pt")
+    saved = torch.load(tmp_path / "old.pt", weights_only=True)
+    del saved["config"]["rope_fraction"]
+    torch.save(saved, tmp_path / "old.pt")
+    reloaded, _ = load_model(tmp_path / "old.pt")
+    windows = val_windows(corpus.val, TINY.context, 256)
+    assert evaluate(reloaded, windows) == evaluate(model, windows)
+
+
+def test_compare_encodings_by_attention():
+    assert lab_options.compare_encodings("softmax") == lab_options.COMPARE
+    assert lab_options.compare_encodings("linear") == ("rope", "sinusoidal", "learned", "none", "p-rope",
+                                                        "partial-rope")
+
+
 def charlm_scaling_linear(factor):
     from ropekit.scaling import Linear
 
@@ -140,13 +203,26 @@ def test_extrapolate_reports_learned_as_not_applicable(tmp_path, capsys):
     assert extrapolate.run(args) == 0
     data = json.loads((tmp_path / "extrapolation.json").read_text())
     assert data["lengths"] == [8, 16, 32, 64]
-    assert set(data["val_loss"]) == {"rope", "rope+linear", "rope+ntk", "rope+yarn", "sinusoidal", "learned", "none"}
+    assert set(data["val_loss"]) == {"rope", "rope+linear", "rope+ntk", "rope+yarn", "sinusoidal", "learned", "none",
+                                     "xpos", "alibi", "p-rope", "partial-rope"}
     assert data["val_loss"]["learned"][0] is not None and data["val_loss"]["learned"][1:] == [None, None, None]
     rope = data["val_loss"]
     assert all(rope[name][0] == rope["rope"][0] for name in ("rope+linear", "rope+ntk", "rope+yarn"))
     assert (tmp_path / "extrapolation.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
     assert "n/a" in out and "rope+yarn" in out
+
+
+def test_extrapolate_selected_encodings_with_linear_attention_and_a_fraction(tmp_path, capsys):
+    args = parse("extrapolate", "--quick", "--steps", "3", "--context", "8", "--out", str(tmp_path),
+                 "--max-chars", str(MAX_CHARS), "--threads", "1", "--no-progress", "--finetune-steps", "0",
+                 "--attention", "linear", "--encodings", "partial-rope,none", "--rope-fraction", "0.5")
+    assert extrapolate.run(args) == 0
+    data = json.loads((tmp_path / "extrapolation.json").read_text())
+    assert list(data["val_loss"]) == ["partial-rope", "none"] and data["sizes"]["rope_fraction"] == 0.5
+    assert [r["config"]["rope_fraction"] for r in data["runs"]] == [0.5, 0.5]
+    assert all(r["attention"] == "linear" for r in data["runs"])
+    capsys.readouterr()
 
 
 def test_extrapolate_short_finetune_rows(tmp_path):

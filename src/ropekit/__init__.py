@@ -1,9 +1,10 @@
 """ropekit: Rotary Position Embedding (RoPE) for PyTorch.
 
 Layers, bottom to top (docs/architecture.md): rope (the maths: frequencies, scaling rules,
-layouts) · ops (torch operators and their kernels) · functional (apply_rotary and friends) ·
-fused (q/k RMSNorm + rotation, rotation into a KV cache) ·
-config (RopeConfig, config.json) · checkpoints · nn (modules) · integrations · lab · cli.
+layouts, shard positions) · ops (torch operators and their kernels) · functional (apply_rotary and
+friends) · fused (q/k RMSNorm + rotation, rotation into a KV cache) ·
+distributed (context parallelism) · config (RopeConfig, config.json) · checkpoints ·
+nn (modules) · integrations · lab · cli.
 
 The public names below are imported on first use (PEP 562 module ``__getattr__``), so that
 ``import ropekit`` alone does not import torch: the ``ropekit`` command line parses its
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 # public name -> the submodule that defines it
 _EXPORTS = {
+    "AxisPlan": "rope.axes",
     "RopeConfig": "config.rope_config",
     "RotaryEmbedding": "nn.rotary",
     "apply_reference": "ops.reference",
@@ -38,10 +40,14 @@ _EXPORTS = {
     "channel_permutation": "rope.layouts",
     "convert_layout": "rope.layouts",
     "permute_qk_weight": "rope.layouts",
+    "LayoutEvidence": "rope.pairing",
+    "detect_layout": "rope.pairing",
 }
-_SUBMODULES = ("backends", "ops", "scaling")
+_SUBMODULES = ("backends", "distributed", "multiaxis", "ops", "scaling")
 
 __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
+    "AxisPlan",
+    "LayoutEvidence",
     "RopeConfig",
     "RotaryEmbedding",
     "apply_reference",
@@ -52,7 +58,10 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "channel_permutation",
     "convert_layout",
     "cos_sin",
+    "distributed",
+    "detect_layout",
     "inv_frequencies",
+    "multiaxis",
     "ops",
     "permute_qk_weight",
     "rms_norm_rotary",
@@ -67,15 +76,17 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
 ]
 
 if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names are imported on first use
-    from . import backends, ops, scaling
+    from . import backends, distributed, multiaxis, ops, scaling
     from .config import RopeConfig
     from .config.rules import inv_frequencies
     from .functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
     from .fused import rms_norm_rotary, rms_norm_rotary_qk, rotate_into_cache, slot_mapping
     from .nn.rotary import RotaryEmbedding
     from .ops.reference import apply_reference, rotation_matrix
+    from .rope.axes import AxisPlan
     from .rope.frequencies import base_inv_freq, cos_sin, rotation_angles
     from .rope.layouts import channel_permutation, convert_layout, permute_qk_weight
+    from .rope.pairing import LayoutEvidence, detect_layout
 
 
 def _version() -> str:

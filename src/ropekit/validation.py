@@ -13,6 +13,7 @@ caller can fix the call without reading ropekit's source. Three groups:
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -60,10 +61,46 @@ def check_positions(positions: torch.Tensor, name: str = "positions") -> torch.T
     return positions
 
 
+def is_dtensor(x: Any) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (without importing that module)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
+
+
+def check_axis_positions(positions: torch.Tensor, n_axes: int, name: str = "positions") -> torch.Tensor:
+    """Return ``positions`` if it is a real ``(..., n_axes)`` tensor of finite values.
+
+    Multi-axis positions (M-RoPE t/h/w, axial h/w) may be floats (interpolated grids, pixel
+    coordinates in ``[-1, 1]``, half-patch offsets) and negative (centred grids); only NaN, inf,
+    booleans, complex numbers and a last axis of the wrong size are refused.
+    """
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor of shape (..., n_axes={n_axes}), got {type(positions).__name__}")
+    if positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise TypeError(f"{name} must have a real (integer or floating) dtype, got {positions.dtype}")
+    if positions.dim() == 0 or positions.shape[-1] != n_axes:
+        raise ValueError(
+            f"{name} must have shape (..., n_axes={n_axes}) (one coordinate per axis, last), "
+            f"got {tuple(positions.shape)}"
+        )
+    if (positions.dtype.is_floating_point and positions.numel() and not torch.compiler.is_compiling()
+            and not bool(torch.isfinite(positions).all())):
+        raise ValueError(f"{name} must be finite, got NaN or inf")
+    return positions
+
+
 def check_float_tensor(x: torch.Tensor, name: str) -> torch.Tensor:
-    """Return ``x`` if it is a real floating-point tensor."""
+    """Return ``x`` if it is a real floating-point tensor (a plain one: no DTensor)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if is_dtensor(x) and not torch.compiler.is_compiling():
+        # Its data lives in its local shard: a kernel handed the DTensor itself would read address 0.
+        raise TypeError(
+            f"{name} is a DTensor; the rotation kernels take plain tensors: rotate {name}.to_local() by the global "
+            "positions of its rows (ropekit.distributed.dtensor_positions), or pass DTensor q and k to "
+            "ropekit.RotaryEmbedding, which does both and returns DTensors"
+        )
     if not x.dtype.is_floating_point:
         raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
     return x

@@ -4,9 +4,12 @@
 layouts; the geometry and source layout come from the checkpoint's own config and recorded
 metadata (:mod:`.source`), outputs are written all-or-nothing (:mod:`.output`), reading is hardened
 against hostile files (:mod:`.storage`), and ``verify`` checks the result against the float64
-rotation matrices (:mod:`.verify`).
+rotation matrices (:mod:`.verify`). :func:`detect_checkpoint_layout` asks the q/k weights which
+pairing they were trained with (:mod:`.pairing`); ``convert_checkpoint`` uses it to refuse a
+conversion that would scramble a checkpoint already in the target layout.
 """
 
 from .convert import ConvertResult, HeadSpec, convert_checkpoint
+from .pairing import detect_checkpoint_layout
 
-__all__ = ["ConvertResult", "HeadSpec", "convert_checkpoint"]
+__all__ = ["ConvertResult", "HeadSpec", "convert_checkpoint", "detect_checkpoint_layout"]

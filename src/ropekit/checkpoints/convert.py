@@ -10,9 +10,10 @@ Attention scores are unchanged because the permutation ``P`` is orthogonal and
 ``RoPE_dst(P q) = P RoPE_src(q)``. Every other tensor is written back bit for bit with its dtype.
 
 The head geometry and the source layout come from the checkpoint's own config and recorded
-metadata before the flags (:mod:`.source`); outputs are written all-or-nothing
-(:mod:`.output`); ``--verify`` reads the written files back and checks them with the
-float64 rotation-matrix oracle (:mod:`.verify`).
+metadata before the flags (:mod:`.source`); the q/k weights themselves are a second witness of
+the layout (:mod:`.pairing`): a conversion they say would scramble them is refused; outputs are
+written all-or-nothing (:mod:`.output`); ``--verify`` reads the written files back and checks
+them with the float64 rotation-matrix oracle (:mod:`.verify`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from typing import Any
 import torch
 
 from ..rope.layouts import permute_qk_weight
+from ..rope.pairing import LayoutEvidence
 from ..validation import check_layout
 from .output import plan_output, write_output
+from .pairing import check_layout_against_weights, detect_tensors_layout
 from .qk_tensors import K_PATTERN, Q_PATTERN, QKLayer, find_layers, fused_head_dim, join_fused, split_fused
 from .source import (
     META_KEYS,
@@ -42,6 +45,7 @@ from .verify import compare_output, verify_layers
 
 __all__ = ["K_PATTERN", "Q_PATTERN", "ConvertResult", "HeadSpec", "convert_checkpoint", "find_layers",
            "verify_layers"]
+LAYOUT_CHECKS = ("on", "skip", "off")
 
 
 @dataclass
@@ -53,7 +57,8 @@ class ConvertResult:
     ``geometry_origin``); ``geometry_pinned``: whether a config or recorded metadata fixed the
     geometry (else only the flags and tensor shapes did); ``carried``/``skipped``: the source
     directory's other files copied / left out; ``max_score_error``, ``problems`` and ``verified``
-    from ``verify``.
+    from ``verify``; ``layout_evidence``: what the q/k weights say about their pairing (``None``
+    when not asked), ``layout_warning``: the contradiction a skipped check let through.
     """
 
     converted: list[str] = field(default_factory=list)
@@ -68,6 +73,8 @@ class ConvertResult:
     max_score_error: float | None = None
     problems: list[str] = field(default_factory=list)
     verified: bool | None = None
+    layout_evidence: LayoutEvidence | None = None
+    layout_warning: str | None = None
 
 
 def _permute(name: str, w: torch.Tensor, heads: int, spec: HeadSpec, src: str, dst: str) -> torch.Tensor:
@@ -131,6 +138,7 @@ def convert_checkpoint(
     force: bool = False,
     verify: bool = False,
     tolerance: float = 1e-9,
+    layout_check: str = "on",
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` and write it (safetensors, sharded like the input) to ``dst``.
 
@@ -149,17 +157,24 @@ def convert_checkpoint(
         verify: read the written files back and check them (see :mod:`.convert_verify`) before
             they are moved into place; on a mismatch nothing is written.
         tolerance: largest relative logit difference ``verify`` accepts.
+        layout_check: ``"on"``: ask the q/k weights which pairing they were trained with
+            (:mod:`ropekit.rope.pairing`) and refuse when they decidedly say SRC is already in
+            ``dst_layout``, whatever the config or ``src_layout`` say; ``"skip"``: ask, but convert
+            anyway (``layout_warning`` says so; the CLI's ``--skip-layout-check``); ``"off"``: do not ask.
 
     Returns:
         a :class:`ConvertResult`; ``verified`` is ``False`` (and nothing written) if verification failed.
 
     Raises:
         ValueError: unreadable or unsafe input; a config, metadata or ``spec`` that contradict
-            each other or the tensor shapes; a layout that cannot be told or equals ``dst_layout``;
-            ``dst`` that is, holds or would replace an input.
+            each other or the tensor shapes; a layout that cannot be told or equals ``dst_layout``
+            (by its sources, or by the weights under ``layout_check="on"``); ``dst`` that is,
+            holds or would replace an input.
         FileExistsError: an output exists and ``force`` is false.
     """
     check_layout(dst_layout, "dst_layout (--to)")
+    if layout_check not in LAYOUT_CHECKS:
+        raise ValueError(f"layout_check must be one of {LAYOUT_CHECKS}, got {layout_check!r}")
     ckpt = load_checkpoint(src)
     before = ckpt.tensors()
     layers = find_layers(list(before), q_pattern, k_pattern)
@@ -167,12 +182,15 @@ def convert_checkpoint(
         raise ValueError(f"no q/k projection tensors found (patterns q {q_pattern!r}, k {k_pattern!r}); "
                          f"first names: {list(before)[:5]}")
     sources = _sources(ckpt, list(before), spec, src_layout, config)
-    src_layout, layout_origin = resolve_layout(src_layout, dst_layout, sources)
     spec, geometry_origin = resolve_geometry(sources, layers, before)
+    evidence = detect_tensors_layout(layers, before, spec) if layout_check != "off" else None
+    src_layout, layout_origin = resolve_layout(src_layout, dst_layout, sources, evidence)
+    warning = check_layout_against_weights(src_layout, layout_origin, dst_layout, evidence,
+                                           skip=layout_check == "skip")
     plan = plan_output(ckpt, dst, force=force)
     result = ConvertResult(src_layout=src_layout, layout_origin=layout_origin, spec=spec,
                            geometry_origin=geometry_origin, carried=[p.name for p in plan.carried],
-                           skipped=plan.skipped,
+                           skipped=plan.skipped, layout_evidence=evidence, layout_warning=warning,
                            geometry_pinned=any(s.kind != "given" and s.spec.n_heads for s in sources))
     converted: dict[str, torch.Tensor] = {}
     for layer in layers.values():

@@ -329,8 +329,12 @@ def check_geometry(spec: HeadSpec, layers: dict[str, QKLayer], tensors: dict[str
                                  f"({heads * d},) (whole projection) for head_dim {d} (geometry from {origin})")
 
 
-def resolve_layout(given: str | None, dst: str, sources: list[Source]) -> tuple[str, str]:
-    """``(layout of SRC, where that came from)``; refuses a contradicting ``--from`` and a no-op conversion."""
+def resolve_layout(given: str | None, dst: str, sources: list[Source], weights: Any = None) -> tuple[str, str]:
+    """``(layout of SRC, where that came from)``; refuses a contradicting ``--from`` and a no-op conversion.
+
+    ``weights`` (a :class:`~ropekit.rope.pairing.LayoutEvidence` or ``None``): what the q/k weights
+    say, added to the refusals (a contradiction with the config is reported there, not ignored).
+    """
     check_layout(dst, "dst_layout (--to)")
     if given is not None:
         check_layout(given, "src_layout (--from)")
@@ -345,8 +349,24 @@ def resolve_layout(given: str | None, dst: str, sources: list[Source]) -> tuple[
                          f"layout; drop --from")
     if decided is None and given is None:
         raise ValueError("cannot tell the layout of SRC (no ropekit_layout metadata, no config.json or params.json "
-                         "next to it): pass --from half or --from interleaved")
+                         f"next to it): pass --from half or --from interleaved{weights_note(weights, None)}")
     layout, origin = (decided.layout, decided.label) if decided is not None else (given, "--from")
     if layout == dst:
-        raise ValueError(f"SRC is already in the {dst} layout ({origin}); converting it --to {dst} would scramble it")
+        raise ValueError(f"SRC is already in the {dst} layout ({origin}); converting it --to {dst} would scramble it"
+                         f"{weights_note(weights, layout)}")
     return layout, origin
+
+
+def weights_note(evidence: Any, said: str | None) -> str:
+    """A clause for a layout message: what the q/k weights say, and whether that contradicts ``said``.
+
+    ``evidence`` is a :class:`ropekit.rope.pairing.LayoutEvidence` or ``None`` (no clause).
+    """
+    if evidence is None:
+        return ""
+    if not evidence.decided:
+        return f"; the q/k weights do not tell ({evidence.describe()})"
+    if said is not None and evidence.layout != said:
+        return (f"; but SRC's q/k weights look {evidence.describe()}, which contradicts it: check that source "
+                "against these weights")
+    return f"; the q/k weights look {evidence.describe()}"

@@ -36,6 +36,9 @@ def add_parser(verbs: Any) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing output (never the input)")
     p.add_argument("--verify", action="store_true", help="read the written files back and check attention scores "
                    "before anything is moved into place")
+    p.add_argument("--skip-layout-check", action="store_true",
+                   help="convert even when SRC's q/k weights say it is already in the --to layout (the weights' "
+                   "pairing test, a second witness besides the config, metadata and --from; see docs/probe.md)")
     p.set_defaults(func=run)
     return p
 
@@ -64,9 +67,14 @@ def run(args: argparse.Namespace) -> int:
         q_pattern=getattr(args, "q_pattern", None) or Q_PATTERN,
         k_pattern=getattr(args, "k_pattern", None) or K_PATTERN,
         force=bool(getattr(args, "force", False)), verify=bool(getattr(args, "verify", False)),
+        layout_check="skip" if getattr(args, "skip_layout_check", False) else "on",
     )
     print(f"SRC layout {result.src_layout} ({result.layout_origin}); {result.spec.describe()} "
           f"({result.geometry_origin})")
+    if result.layout_evidence is not None:
+        print(f"q/k weights: {result.layout_evidence.describe()}")
+    if result.layout_warning:
+        print(f"ropekit convert: warning: {result.layout_warning}", file=sys.stderr)
     if not result.geometry_pinned:
         print("ropekit convert: note: no config.json/params.json next to SRC and no ropekit metadata: the head "
               "geometry rests on the flags, checked against the tensor shapes only (heads x c with head_dim / c "

@@ -2,7 +2,8 @@
 
 Verbs: ``inspect`` (a config's rotary frequencies, pair by pair), ``decay`` (RoFormer's long-term
 decay bound), ``report`` (an HTML page with figures and live checks), ``bench`` (speed table),
-``convert``, ``train`` and ``extrapolate``. Each verb is a module of :mod:`ropekit.cli`: its
+``convert``, ``train``, ``extrapolate`` and ``probe`` (how a pretrained model uses its rotary
+pairs). Each verb is a module of :mod:`ropekit.cli`: its
 ``add_parser`` builds the arguments without torch, its ``run`` does the work with the library or the
 lab. Arguments are parsed before torch is imported (``--help`` and ``--version`` never import it).
 
@@ -35,7 +36,7 @@ from .errors import Parser, UserError, user_error_message
 from .outputs import prepared_outputs
 
 #: The verbs, in the order ``ropekit --help`` lists them: each is the module ``ropekit.cli.<verb>``.
-VERBS = ("inspect", "decay", "report", "bench", "convert", "train", "extrapolate")
+VERBS = ("inspect", "decay", "report", "bench", "convert", "train", "extrapolate", "probe")
 
 
 def build_parser() -> argparse.ArgumentParser:

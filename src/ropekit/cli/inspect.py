@@ -12,7 +12,8 @@ def add_parser(verbs: Any) -> None:
     """Register the ``inspect`` verb on the ``ropekit`` subparsers."""
     inspect = verbs.add_parser("inspect", help="a config's rotary frequencies, pair by pair",
                                description="Print a config's RoPE: layout, dimensions, base, scaling rule, attention "
-                               "scale, and per pair theta_i, wavelength, rotations in the context and regime.")
+                               "scale, and per pair theta_i, wavelength, rotations in the context and regime; "
+                               "for multi-axis RoPE (M-RoPE, axial) each pair's axis and the wavelengths per axis.")
     config_arguments(inspect)
     inspect.add_argument("--context", type=positive(int), help="context window in tokens (default: from the config)")
     inspect.add_argument("--seq-len", type=positive(int), help="length at which dynamic rules are evaluated "
@@ -42,19 +43,41 @@ def run(args: argparse.Namespace) -> int:
     print(f"  attention scale {info['attention_scale']:.6g} on cos and sin (logits x{info['logit_scale']:.6g})")
     print(f"  context {info['context']:,} tokens ({info['context_source']}); "
           f"frequencies at seq_len {info['seq_len']:,}")
+    axes = info["axes"]
+    if axes:
+        _print_axes(axes)
     regime, scaled = info["regime"], info["rope_type"] != "default"
-    head = f"  {'pair':>4} {'theta_i':>11} {'inv_freq':>11} {'wavelength':>12} {'rotations':>11}"
+    head = f"  {'pair':>4}" + (f" {'axis':>6}" if axes else "")
+    head += f" {'theta_i':>11} {'inv_freq':>11} {'wavelength':>12} {'rotations':>11}"
     print(head + (f" {'theta/inv':>9}" if scaled else "") + (f"  {'regime'}" if regime else ""))
     for i in range(info["pairs"]):
         wavelength = info["wavelength"][i]
-        line = (f"  {i:>4} {info['theta'][i]:>11.4e} {info['inv_freq'][i]:>11.4e} "
-                f"{'inf' if wavelength is None else format(wavelength, '12.1f'):>12} {info['rotations'][i]:>11.3f}")
+        line = f"  {i:>4}" + (f" {axes['pair_axis'][i]:>6}" if axes else "")
+        line += (f" {info['theta'][i]:>11.4e} {info['inv_freq'][i]:>11.4e} "
+                 f"{'inf' if wavelength is None else format(wavelength, '12.1f'):>12} {info['rotations'][i]:>11.3f}")
         if scaled:
             ratio = info["interpolation"][i]
             line += f" {'inf' if ratio is None else format(ratio, '9.3f'):>9}"
         print(line + (f"  {regime[i]}" if regime else ""))
     _print_inspect_summary(info)
     return 0
+
+
+def _print_axes(axes: dict) -> None:
+    names = ", ".join(f"{a['name']} ({a['pairs']} pairs)" for a in axes["per_axis"])
+    print(f"  multi-axis: positions are ({', '.join(axes['names'])}) vectors; axes {names}")
+    for a in axes["per_axis"]:
+        if not a["pairs"]:
+            print(f"    axis {a['name']}: no pair")
+            continue
+        shown = a["pair_indices"]
+        where = (f"pairs {a['first_pair']}..{a['last_pair']}" if a["contiguous"] else
+                 "pairs " + ", ".join(map(str, shown[:3])) + (f", ..., {shown[-1]}" if len(shown) > 3 else "")
+                 + " (interleaved with the other axes)")
+        shortest = "inf" if a["wavelength_min"] is None else f"{a['wavelength_min']:.4g}"
+        longest = "inf" if a["wavelength_max"] is None else f"{a['wavelength_max']:.4g}"
+        print(f"    axis {a['name']}: {a['pairs']} pairs, {where}; wavelengths {shortest} .. {longest} "
+              f"positions; {a['pairs_without_full_rotation']} never complete a rotation within the context")
 
 
 def _print_inspect_summary(info: dict) -> None:

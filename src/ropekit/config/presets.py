@@ -107,6 +107,39 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
                          "rope_type": "yarn", "truncate": False},
     },
+    # multi-axis RoPE: M-RoPE of the Qwen VL language models (tests/fixtures/multiaxis holds the full files)
+    "qwen2-vl-7b-instruct": {
+        "_name_or_path": "Qwen/Qwen2-VL-7B-Instruct",
+        "model_type": "qwen2_vl", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    },
+    "qwen2.5-vl-7b-instruct": {
+        "_name_or_path": "Qwen/Qwen2.5-VL-7B-Instruct",
+        "model_type": "qwen2_5_vl", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "max_position_embeddings": 128000, "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    },
+    "qwen3-vl-8b-instruct": {
+        "_name_or_path": "Qwen/Qwen3-VL-8B-Instruct",
+        "model_type": "qwen3_vl",
+        "text_config": {
+            "model_type": "qwen3_vl_text", "head_dim": 128, "hidden_size": 4096, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "max_position_embeddings": 262144, "rope_theta": 5000000,
+            "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+        },
+    },
+    # axial RoPE of vision generators (diffusers transformer/config.json)
+    "flux.1-dev": {
+        "_name_or_path": "black-forest-labs/FLUX.1-dev (transformer)",
+        "_class_name": "FluxTransformer2DModel", "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56],
+        "num_attention_heads": 24,
+    },
+    "wan2.1-t2v-1.3b": {
+        "_name_or_path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers (transformer)",
+        "_class_name": "WanTransformer3DModel", "attention_head_dim": 128, "num_attention_heads": 12,
+        "patch_size": [1, 2, 2], "rope_max_seq_len": 1024,
+    },
 }
 
 #: Short names: the family name picks its most common member.
@@ -122,6 +155,11 @@ ALIASES = {
     "gpt-neox": "gpt-neox-20b",
     "deepseek": "deepseek-v3",
     "gpt-oss": "gpt-oss-20b",
+    "qwen2-vl": "qwen2-vl-7b-instruct",
+    "qwen2.5-vl": "qwen2.5-vl-7b-instruct",
+    "qwen3-vl": "qwen3-vl-8b-instruct",
+    "flux": "flux.1-dev",
+    "wan": "wan2.1-t2v-1.3b",
 }
 
 

@@ -9,8 +9,11 @@ from typing import Any
 
 import torch
 
+from ..rope.axes import AxisPlan, mrope, single_axis
 from ..rope.scaling import DynamicNTK, LongRoPE, Proportional
 from ..validation import check_even_positive, check_layout, check_length, check_positive_float
+from .diffusers import diffusers_rope
+from .multimodal import mrope_layout, multi_axis_keys
 from .rules import METADATA_KEYS, PLAIN_ROPE_TYPES, inv_frequencies, rope_type_of, rule_from_dict
 
 #: Model types whose Hugging Face checkpoints pair channels ``(2i, 2i+1)`` (complex / interleaved
@@ -36,6 +39,10 @@ class RopeConfig:
         scaling: ``None`` or a rule from :mod:`ropekit.scaling` (a rope dict is converted with
               :func:`ropekit.config.rules.rule_from_dict`).
         max_positions: the model's ``max_position_embeddings`` (informational; ``None`` if unknown).
+        axes: ``None`` for 1-D RoPE, or an :class:`ropekit.AxisPlan` (multi-axis RoPE: M-RoPE,
+            axial) with ``rotary_dim // 2`` pairs. With a ``scaling`` rule too, the plan's
+            frequencies must be the rule's (``from_hf`` builds it so) and the rule stays the source
+            of length-dependent frequencies (:meth:`axis_plan`).
 
     Construction checks everything, including that the rule fits ``rotary_dim`` (LongRoPE lists).
     """
@@ -46,6 +53,7 @@ class RopeConfig:
     layout: str = "half"
     scaling: Any = None
     max_positions: int | None = None
+    axes: AxisPlan | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -65,11 +73,47 @@ class RopeConfig:
             set_(self, "scaling", rule)
         if self.scaling is not None and not callable(getattr(self.scaling, "compute", None)):
             raise TypeError(f"scaling must be None or a ropekit.scaling rule, got {type(self.scaling).__name__}")
+        if self.axes is not None:
+            self._check_axes()
         self.inv_frequencies()  # the rule's own checks against rotary_dim and base
 
+    def _check_axes(self) -> None:
+        if not isinstance(self.axes, AxisPlan):
+            raise TypeError(f"axes must be None or a ropekit.AxisPlan, got {type(self.axes).__name__}")
+        if self.axes.pairs != self.rotary_dim // 2:
+            raise ValueError(f"axes has {self.axes.pairs} pairs but rotary_dim={self.rotary_dim} has "
+                             f"{self.rotary_dim // 2}")
+        if self.scaling is not None and callable(getattr(self.scaling, "compute", None)):
+            inv_freq, scale = inv_frequencies(self.rotary_dim, self.base, self.scaling)
+            if not torch.equal(inv_freq, self.axes.inv_freq) or scale != self.axes.attention_scale:
+                raise ValueError("axes must carry the scaling rule's frequencies and attention scale "
+                                 "(axes.with_frequencies(*inv_frequencies(rotary_dim, base, scaling)))")
+
+    @property
+    def is_multi_axis(self) -> bool:
+        """Whether positions are vectors (an axis plan is set)."""
+        return self.axes is not None
+
     def inv_frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-        """``(inv_freq, attention_scale)`` as :func:`ropekit.inv_frequencies` (float64, ``(rotary_dim // 2,)``)."""
+        """``(inv_freq, attention_scale)`` as :func:`ropekit.inv_frequencies` (float64, ``(rotary_dim // 2,)``).
+
+        For a multi-axis config without a scaling rule, the plan's per-pair frequencies.
+        """
+        if self.axes is not None and self.scaling is None:
+            return self.axes.inv_freq, self.axes.attention_scale
         return inv_frequencies(self.rotary_dim, self.base, self.scaling, seq_len=seq_len)
+
+    def axis_plan(self, seq_len: int | None = None) -> AxisPlan:
+        """The :class:`ropekit.AxisPlan` of this config (a one-axis plan for 1-D RoPE).
+
+        ``seq_len`` reaches length-dependent scaling rules, as in :meth:`inv_frequencies`.
+        """
+        if self.axes is None:
+            inv_freq, scale = self.inv_frequencies(seq_len)
+            return single_axis(inv_freq, attention_scale=scale)
+        if self.scaling is None:
+            return self.axes
+        return self.axes.with_frequencies(*self.inv_frequencies(seq_len))
 
     @classmethod
     def from_hf(
@@ -90,6 +134,12 @@ class RopeConfig:
         ``original_max_position_embeddings`` (Phi-3, which wins as in Hugging Face); Gemma 3's
         ``rope_local_base_freq``; multimodal configs through ``text_config``.
 
+        Multi-axis RoPE (:attr:`axes` set): the M-RoPE of Qwen2-VL, Qwen2.5-VL and Qwen3-VL
+        (``mrope_section``, ``"type": "mrope"``, ``mrope_interleaved``; the pair-to-axis map follows
+        the model type, see :mod:`ropekit.config.multimodal`), and diffusers transformer configs
+        (``_class_name``: FLUX.1, FLUX.2, HunyuanVideo, Wan, CogVideoX; axial, interleaved pairing).
+        A config with multi-axis keys ropekit cannot represent raises; it never becomes 1-D RoPE.
+
         Args:
             config: a ``config.json`` dict or an object with ``to_dict()``.
             layer_type: which entry of per-layer-type rope parameters to read (e.g.
@@ -103,7 +153,11 @@ class RopeConfig:
             ValueError: missing or inconsistent keys; the message names the key and the value.
         """
         cfg = _as_dict(config)
+        if cfg.get("_class_name") is not None:  # a diffusers transformer config: axial RoPE
+            kwargs = diffusers_rope(cfg)
+            return cls(**{**kwargs, "layout": kwargs["layout"] if layout is None else check_layout(layout)})
         params, layer_type, nested = _rope_params(cfg, layer_type)
+        axis_keys = multi_axis_keys(cfg, params)
         head_dim = _head_dim(cfg, layer_type)
         max_positions = cfg.get("max_position_embeddings")
         kind = rope_type_of(params)
@@ -124,6 +178,11 @@ class RopeConfig:
             fixed_seq_len = check_length("RopeConfig.from_hf", "fixed_seq_len", fixed_seq_len)
             if isinstance(scaling, (DynamicNTK, LongRoPE)):
                 scaling = dataclasses.replace(scaling, fixed_seq_len=fixed_seq_len)
+        axes = None
+        if axis_keys is not None:
+            section, interleaved = mrope_layout(cfg.get("model_type"), axis_keys)
+            inv_freq, scale = inv_frequencies(rotary_dim, base, scaling)
+            axes = mrope(inv_freq, section, interleaved=interleaved, attention_scale=scale)
         return cls(
             head_dim=head_dim,
             rotary_dim=rotary_dim,
@@ -131,6 +190,7 @@ class RopeConfig:
             layout=_layout(cfg, layout),
             scaling=scaling,
             max_positions=max_positions,
+            axes=axes,
         )
 
 

@@ -16,7 +16,8 @@ from ..rope.scaling.longrope import LongRoPE
 from ..rope.scaling.yarn import YaRN
 from ..validation import check_length
 
-#: ``rope_type`` values that mean plain RoPE frequencies (``mrope`` only splits positions by axis).
+#: ``rope_type`` values that mean plain RoPE frequencies. ``mrope`` has the plain ladder too; its axis map
+#: (``mrope_section``, ``mrope_interleaved``) is read by ``RopeConfig.from_hf`` (:mod:`.multimodal`), not here.
 PLAIN_ROPE_TYPES = ("default", "mrope")
 #: Old names still found in published configs.
 ALIASES = {"su": "longrope"}

@@ -2,19 +2,25 @@
 
 Works for the families whose modeling file has a model-level ``*RotaryEmbedding`` module returning
 ``(cos, sin)`` and attention layers that call the module-level ``apply_rotary_pos_emb(q, k, cos, sin)``
-(Llama, Mistral, Qwen2, Qwen3, Gemma 3, OLMo 2/3, Phi-3, GPT-NeoX and their copies). :func:`patch`:
+(Llama, Mistral, Qwen2, Qwen3, Gemma 3, OLMo 2/3, Phi-3, GPT-NeoX and their copies), and the language
+models of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (multi-axis M-RoPE). :func:`patch`:
 
+* looks for those modules inside the language model only (``language_model`` when the model has
+  one): a multimodal model's vision tower keeps its own rotary embedding and attention untouched;
 * overrides each rotary module's ``forward`` (instance attribute) to return ropekit's **float32**
   half-width tables ``(batch, seq, rotary_dim // 2)`` computed by :func:`ropekit.cos_sin` from
   float64 angles, whatever the activation dtype, per layer type where the config gives rope
-  parameters per layer type (Gemma 3: sliding and full attention);
+  parameters per layer type (Gemma 3: sliding and full attention); for M-RoPE from the
+  ``(3, batch, seq)`` (t, h, w) position ids through the config's axis plan (``(batch, seq)`` ids,
+  text only, put the same position on every axis, as transformers does);
 * wraps each attention module's ``forward`` so that, while it runs, the modeling module's
   ``apply_rotary_pos_emb`` rotates q/k with :func:`ropekit.apply_rotary_qk` (in ``rope.layout``, float32
   arithmetic, result in q's dtype). Other (unpatched) models sharing the modeling module keep the
   original function: the replacement falls through to it when no patched attention is running;
 * for the families with q/k norms (Qwen3, Qwen3-MoE, Gemma 3, OLMo 2, OLMo 3), defers the norms
   into the rotation (:mod:`.transformers_norms`): q and k are normalised and rotated in one pass
-  by :func:`ropekit.rms_norm_rotary_qk` (``fuse=False`` keeps transformers' norms);
+  by :func:`ropekit.rms_norm_rotary_qk` (``fuse=False``, or a ``capture`` callback, keeps
+  transformers' norms);
 * with a cache from :func:`static_cache`, rotates the new keys straight into the cache's slots
   (:mod:`.transformers_cache`).
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 import inspect
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +41,7 @@ import torch
 from ..config import RopeConfig
 from ..functional import apply_rotary, apply_rotary_qk
 from ..fused import rms_norm_rotary, rms_norm_rotary_qk
+from ..rope.axes import AxisPlan
 from ..rope.frequencies import cos_sin
 from . import transformers_norms as norms
 from .transformers_norms import Call, current
@@ -89,7 +97,10 @@ def _dispatcher(original):
                 return _normalised(q, None, pending_q, None, cos, sin, call)[0], k
             return apply_rotary(q, cos, sin, layout=call.layout, backend=call.backend), k
         if pending_q is None and pending_k is None:
-            return apply_rotary_qk(q, k, cos, sin, layout=call.layout, backend=call.backend)
+            q_out, k_out = apply_rotary_qk(q, k, cos, sin, layout=call.layout, backend=call.backend)
+            if call.capture is not None:
+                call.capture(call.module, q, k, q_out, k_out)
+            return q_out, k_out
         if pending_q is not None and pending_k is not None:
             return _normalised(q, k, pending_q, pending_k, cos, sin, call)
         # only one of them deferred (not a case of the fused families): rotate the other alone
@@ -114,14 +125,39 @@ def _rotary_forward(frequencies: dict):
     return forward
 
 
-def _attention_forward(original, layout: str, backend: str, fuse: bool, rotating_layer):
+def _multi_axis_rotary_forward(plan: AxisPlan):
+    def forward(self, x, position_ids=None, *args, **kwargs):
+        """``(cos, sin)`` float32 ``(batch, seq, rotary_dim // 2)`` from ``(n_axes, batch, seq)`` position ids."""
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[-2], device=x.device)[None]
+        if position_ids.dim() == 2:  # text only: every axis at the token's position
+            position_ids = position_ids[None]
+        if position_ids.dim() != 3 or position_ids.shape[0] not in (1, plan.n_axes):
+            raise ValueError(f"position_ids must be (batch, seq) or ({plan.n_axes}, batch, seq) for this "
+                             f"{plan.n_axes}-axis rotary embedding, got {tuple(position_ids.shape)}")
+        positions = position_ids.expand(plan.n_axes, -1, -1).permute(1, 2, 0)
+        return plan.cos_sin(positions)
+
+    return forward
+
+
+def _language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The language model of a multimodal model (the first module named ``language_model``), else ``model``."""
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "language_model":
+            return module
+    return model
+
+
+def _attention_forward(original, layout: str, backend: str, fuse: bool, rotating_layer, capture):
     def forward(self, *args, **kwargs):
         cache = kwargs.get("past_key_values")
         layers = getattr(cache, "layers", None)
         index = getattr(self, "layer_idx", None)
         layer = layers[index] if rotating_layer is not None and layers and index is not None and index < len(
             layers) else None
-        call = Call(layout, backend, fuse, layer if isinstance(layer, rotating_layer or ()) else None)
+        call = Call(layout, backend, fuse, layer if isinstance(layer, rotating_layer or ()) else None,
+                    module=self, capture=capture)
         norms.ACTIVE.append(call)
         try:
             result = original(*args, **kwargs)
@@ -165,6 +201,7 @@ def _frequencies(model: torch.nn.Module, rope: RopeConfig | None, rotary: list) 
         layer_types = [None]
     own = {t: RopeConfig.from_hf(model.config, layer_type=t) for t in layer_types}
     first = own[layer_types[0]]
+    own_axes = first.axes.n_axes if first.axes else 1
     if rope is None:
         for cfg in own.values():
             if cfg.layout != "half":
@@ -178,6 +215,10 @@ def _frequencies(model: torch.nn.Module, rope: RopeConfig | None, rotary: list) 
         if (rope.head_dim, rope.rotary_dim) != (first.head_dim, first.rotary_dim):
             raise ValueError(f"rope has head_dim {rope.head_dim}, rotary_dim {rope.rotary_dim}; the model has "
                              f"head_dim {first.head_dim}, rotary_dim {first.rotary_dim}")
+        rope_axes = rope.axes.n_axes if rope.axes else 1
+        if own_axes != rope_axes:
+            raise ValueError(f"rope has {rope_axes} position axes but {type(model).__name__} has {own_axes} "
+                             f"({first.axes!r}); pass a RopeConfig with a matching axis plan")
         chosen = {t: rope for t in layer_types}
     for cfg in chosen.values():
         if getattr(cfg.scaling, "dynamic", False) and getattr(cfg.scaling, "fixed_seq_len", None) is None:
@@ -188,8 +229,27 @@ def _frequencies(model: torch.nn.Module, rope: RopeConfig | None, rotary: list) 
     return frequencies, chosen[layer_types[0]]
 
 
+def patchable_modules(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """``(rotary embedding modules, attention modules)`` that :func:`patch` would override.
+
+    Works on a model built on the ``meta`` device too (nothing is computed). Raises ``ValueError``
+    naming the model class when either list is empty or the modeling code's ``apply_rotary_pos_emb``
+    is not the ``(q, k, cos, sin)`` form: a family :func:`patch` does not support.
+    """
+    text = _language_model(model)  # a multimodal model's vision tower is left alone
+    rotary = [m for m in text.modules() if _is_rotary(m)]
+    attention = [m for m in text.modules() if type(m).__name__.endswith("Attention") and _modeling_module(m)]
+    rotations = [_modeling_module(m).apply_rotary_pos_emb for m in attention]
+    if not rotary or not attention or not all(_takes_q_and_k(getattr(f, "__ropekit_original__", f)) for f in rotations):
+        raise ValueError(f"{type(model).__name__}: found {len(rotary)} rotary embedding and {len(attention)} "
+                         "attention modules; ropekit.integrations.transformers supports models with a "
+                         "*RotaryEmbedding module and apply_rotary_pos_emb(q, k, cos, sin) (Llama, Mistral, Qwen2/3, "
+                         "Gemma 3, OLMo 2/3, Phi-3, GPT-NeoX, Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
+    return rotary, attention
+
+
 def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: str = "auto",
-          fuse: bool = True) -> torch.nn.Module:
+          fuse: bool = True, capture: Callable | None = None) -> torch.nn.Module:
     """Compute ``model``'s RoPE with ropekit; returns ``model`` (patched in place).
 
     Args:
@@ -203,6 +263,13 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
         backend: ropekit backend for the rotation (``"auto"`` or a name from ``ropekit.ops.available()``).
         fuse: normalise q and k inside the rotation for the families with q/k norms (see the module
             docstring), and rotate keys into the slots of a :func:`static_cache`.
+        capture: called as ``capture(module, q, k, q_rotated, k_rotated)`` each time an attention
+            module rotates: the module (``module.layer_idx`` says which layer), and q/k before and
+            after the rotation, ``(batch, heads, seq, head_dim)`` and ``(batch, kv_heads, seq,
+            head_dim)`` (before any grouped-query repeat; what the modeling code passes, e.g. after a
+            q/k norm). For measurements (``ropekit probe``); it must not change the tensors. With a
+            capture the q/k norms stay transformers' own and keys are not rotated into the cache, so
+            that the captured tensors are the modeling code's.
 
     Raises:
         ValueError: already patched, no rotary/attention module found, or ``rope`` that does not fit.
@@ -211,16 +278,15 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
         raise ValueError("model is already patched by ropekit; call unpatch(model) first")
     if not isinstance(fuse, bool):
         raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
-    rotary = [m for m in model.modules() if _is_rotary(m)]
-    attention = [m for m in model.modules() if type(m).__name__.endswith("Attention") and _modeling_module(m)]
-    rotations = [_modeling_module(m).apply_rotary_pos_emb for m in attention]
-    if not rotary or not attention or not all(_takes_q_and_k(getattr(f, "__ropekit_original__", f)) for f in rotations):
-        raise ValueError(f"{type(model).__name__}: found {len(rotary)} rotary embedding and {len(attention)} "
-                         "attention modules; ropekit.integrations.transformers supports models with a "
-                         "*RotaryEmbedding module and apply_rotary_pos_emb(q, k, cos, sin) (Llama, Mistral, Qwen2/3, "
-                         "Gemma 3, OLMo 2/3, Phi-3, GPT-NeoX)")
+    if capture is not None and not callable(capture):
+        raise TypeError(f"capture must be callable or None, got {type(capture).__name__}")
+    fuse = fuse and capture is None
+    rotary, attention = patchable_modules(model)
     frequencies, rope = _frequencies(model, rope, rotary)
     for m in rotary:
+        if rope.axes is not None:
+            m.forward = types.MethodType(_multi_axis_rotary_forward(rope.axis_plan()), m)
+            continue
         device = next(m.buffers(), torch.empty(0)).device
         m.forward = types.MethodType(_rotary_forward({t: (inv.to(device), scale)
                                                       for t, (inv, scale) in frequencies.items()}), m)
@@ -233,7 +299,7 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
     modules = []
     for m in attention:
         into_cache = rotating_layer if type(m).__name__ in norms.KEY_INTO_CACHE_ATTENTION else None
-        m.forward = types.MethodType(_attention_forward(m.forward, rope.layout, backend, fuse, into_cache), m)
+        m.forward = types.MethodType(_attention_forward(m.forward, rope.layout, backend, fuse, into_cache, capture), m)
         mod = _modeling_module(m)
         if mod.__name__ not in modules:
             modules.append(mod.__name__)

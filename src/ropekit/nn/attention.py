@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed.context import ContextShard
 from ..functional import apply_rotary
 from ..validation import check_hidden_states, positive_int, resolve_head_dim
 from .kv_cache import KVCache
@@ -198,6 +199,7 @@ class RotarySelfAttention(nn.Module):
         *,
         cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        context: ContextShard | None = None,
     ) -> torch.Tensor:
         """Attend over ``x`` (and the cached tokens).
 
@@ -213,10 +215,18 @@ class RotarySelfAttention(nn.Module):
                 attend, with ``key_len = cache.length + seq`` (``seq`` without a cache);
                 combined with the causal mask. Query rows that can see no key at all
                 (e.g. left padding) give zeros before ``o_proj``.
+            context: a :class:`ropekit.distributed.ContextShard` when ``x`` holds this rank's
+                shard of the sequence (context parallelism): the queries and keys are rotated by the
+                shard's global positions with the global length for dynamic rules, the keys and
+                values of every rank are all-gathered, and each query attends to the keys its
+                global position (and, packed, its own sequence) allows. Not with ``positions``,
+                ``cache`` or ``attention_mask``; a collective: every rank of the group calls it.
 
         Returns:
             Tensor ``(batch, seq, embed_dim)`` with ``x``'s dtype.
         """
+        if context is not None:
+            return self._forward_shard(x, context, positions=positions, cache=cache, attention_mask=attention_mask)
         batch, seq = check_hidden_states(x, self.embed_dim)
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a ropekit.nn.KVCache or None, got {type(cache).__name__}")
@@ -255,4 +265,27 @@ class RotarySelfAttention(nn.Module):
         out = self._attend(q, k, v, mask, is_causal)
         if no_key is not None:
             out = out.masked_fill(no_key, 0.0)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+    def _forward_shard(
+        self, x: torch.Tensor, context: ContextShard, *, positions: Any, cache: Any, attention_mask: Any
+    ) -> torch.Tensor:
+        """Context parallelism: x is ``(batch, n, E)``, this rank's tokens; keys and values all-gathered."""
+        if not isinstance(context, ContextShard):
+            raise TypeError(f"context must be a ropekit.distributed.ContextShard or None, got {type(context).__name__}")
+        for name, value in (("positions", positions), ("cache", cache), ("attention_mask", attention_mask)):
+            if value is not None:
+                raise ValueError(f"{name} cannot be combined with context: the context gives the positions and mask")
+        _, seq = check_hidden_states(x, self.embed_dim)
+        if seq != context.token_index.numel():
+            raise ValueError(
+                f"x must hold the {context.token_index.numel()} tokens this rank holds ({context!r}), got {seq}"
+            )
+        q = self._split_heads(self.q_proj(x), self.num_heads)
+        k = self._split_heads(self.k_proj(x), self.num_kv_heads)
+        v = self._split_heads(self.v_proj(x), self.num_kv_heads)
+        q, k = self.rope(q, k, context.positions.to(x.device), seq_dim=-2, seq_len=context.rope_seq_len)
+        k, v = context.gather(k, seq_dim=2), context.gather(v, seq_dim=2)
+        mask = context.attention_mask(causal=self.causal, device=x.device)
+        out = self._attend(q, k, v, None if mask is None else mask[None, None], False)
         return self.o_proj(out.transpose(1, 2).flatten(2))

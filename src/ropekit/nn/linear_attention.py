@@ -13,6 +13,12 @@ and the cost is O(N) in the sequence length. RoFormer adds RoPE by rotating the
 The denominator stays unrotated: ``phi(q)^T phi(k) > 0`` keeps it away from zero,
 whereas the rotated inner products may be negative. The weights of the values are
 therefore not a probability distribution (the paper accepts this).
+
+The causal form (``n <= m``) runs over the sequence in chunks of ``C`` tokens with a running
+state ``S = sum_n (R_n phi(k_n)) v_n^T`` (``d x d`` per head) and ``z = sum_n phi(k_n)``: inside a
+chunk the ``C x C`` causal products are formed explicitly, earlier chunks enter through ``S`` and
+``z``. This is the same sum, regrouped: extra memory is ``O(C^2 + d^2)`` per head whatever the
+length, where prefix sums would keep a ``d x d`` matrix per position.
 """
 
 from __future__ import annotations
@@ -32,6 +38,66 @@ def feature_map(x: torch.Tensor) -> torch.Tensor:
     return F.elu(x) + 1.0
 
 
+class _UnitChannelGrad(torch.autograd.Function):
+    """Identity whose backward hands on its gradient with unit channel stride.
+
+    The chunk loop's matrix products can give the rotated features a gradient whose last axis
+    is strided (a transposed layout, when one chunk covers the sequence). The rotation's backward
+    is a rotation of that gradient, and the C++ CPU kernel currently mis-writes inputs whose
+    channel stride is not 1; a contiguous gradient keeps the backward exact on every backend.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return grad.contiguous()
+
+
+def causal_linear_attention(
+    rot_q: torch.Tensor,
+    rot_k: torch.Tensor,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    r"""Causal eq. (19) chunk by chunk: ``out_m = sum_{n<=m} (rq_m . rk_n) v_n / max(sum_{n<=m} pq_m . pk_n, eps)``.
+
+    Args:
+        rot_q, rot_k: rotated features ``R_m phi(q_m)``, ``R_n phi(k_n)``, ``(batch, heads, seq, d)``.
+        phi_q, phi_k: the unrotated features (denominator), same shape.
+        v: values ``(batch, heads, seq, e)``.
+        chunk_size: tokens per chunk ``C`` (any ``C >= 1`` gives the same sums).
+        eps: lower bound of the denominator.
+
+    Returns:
+        ``(batch, heads, seq, e)`` in the inputs' dtype.
+
+    Memory: ``O(C^2 + d e)`` per head besides inputs and output; with autograd, one ``d x e``
+    state per chunk is kept for the backward pass (``O(seq / C * d e)``), never one per token.
+    """
+    batch, heads, seq, d = rot_q.shape
+    state = rot_k.new_zeros(batch, heads, d, v.shape[-1])  # sum over earlier chunks of R_n phi(k_n) v_n^T
+    key_sum = phi_k.new_zeros(batch, heads, d, 1)  # sum over earlier chunks of phi(k_n)
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=rot_q.device).tril()
+    chunks = []
+    for start in range(0, seq, chunk_size):
+        end = min(start + chunk_size, seq)
+        rq, rk, pq, pk, vc = (t[:, :, start:end] for t in (rot_q, rot_k, phi_q, phi_k, v))
+        mask = causal[: end - start, : end - start]
+        numerator = rq @ state + (rq @ rk.transpose(-1, -2)).masked_fill(~mask, 0.0) @ vc
+        denominator = pq @ key_sum + (pq @ pk.transpose(-1, -2)).masked_fill(~mask, 0.0).sum(-1, keepdim=True)
+        chunks.append(numerator / denominator.clamp_min(eps))
+        state = state + rk.transpose(-1, -2) @ vc
+        key_sum = key_sum + pk.sum(dim=2).unsqueeze(-1)
+    return torch.cat(chunks, dim=2) if chunks else v.new_zeros(batch, heads, 0, v.shape[-1])
+
+
 class RotaryLinearAttention(nn.Module):
     r"""Multi-head linear attention with RoPE in the numerator, exactly as RoFormer eq. (19).
 
@@ -43,8 +109,10 @@ class RotaryLinearAttention(nn.Module):
         base: RoPE base, default 10000.
         layout: ``"half"`` (default) or ``"interleaved"``.
         scaling: ``None`` or a rule from :mod:`ropekit.scaling`.
-        causal: position ``m`` sees only ``n <= m`` (prefix sums over the sequence);
-            default ``False`` (the bidirectional form of the paper).
+        causal: position ``m`` sees only ``n <= m`` (computed chunk by chunk, see
+            :func:`causal_linear_attention`); default ``False`` (the bidirectional form of the paper).
+        chunk_size: tokens per chunk of the causal form (default 64); it changes the
+            grouping of the sums, not the result.
         use_rope: ``False`` gives plain linear attention (eq. 18) for comparison.
         eps: lower bound of the denominator (only reached when the features underflow;
             ``phi > 0`` keeps it positive otherwise).
@@ -54,8 +122,8 @@ class RotaryLinearAttention(nn.Module):
             (``E -> H*d`` and ``H*d -> E``), named as in Hugging Face models.
         rope: the :class:`ropekit.RotaryEmbedding`, or ``None`` when ``use_rope=False``.
 
-    Cost: non-causal O(N d^2) time and O(d^2) extra memory per head; causal keeps the
-    prefix sums of ``R_n phi(k_n) v_n^T``, i.e. O(N d^2) memory per head.
+    Cost: O(N d^2) time and O(d^2) extra memory per head non-causal; causal O(N (C + d) d)
+    time and O(C^2 + d^2) extra memory per head (``C = chunk_size``), linear in ``N``.
     Arithmetic is float32 for half-precision inputs (float64 for float64).
     """
 
@@ -72,6 +140,7 @@ class RotaryLinearAttention(nn.Module):
         causal: bool = False,
         use_rope: bool = True,
         eps: float = 1e-6,
+        chunk_size: int = 64,
     ) -> None:
         super().__init__()
         self.embed_dim = positive_int(embed_dim, "embed_dim")
@@ -83,6 +152,7 @@ class RotaryLinearAttention(nn.Module):
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise ValueError(f"eps must be a number > 0, got {eps!r}")
         self.causal = causal
+        self.chunk_size = positive_int(chunk_size, "chunk_size")
         self.use_rope = use_rope
         self.eps = float(eps)
         self.rope = (
@@ -100,7 +170,7 @@ class RotaryLinearAttention(nn.Module):
         """The constructor arguments shown by ``repr(module)``."""
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-            f"causal={self.causal}, use_rope={self.use_rope}"
+            f"causal={self.causal}, use_rope={self.use_rope}, chunk_size={self.chunk_size}"
         )
 
     def _split_heads(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -125,16 +195,15 @@ class RotaryLinearAttention(nn.Module):
         v = self._split_heads(self.v_proj(x), work)
         if self.rope is not None:
             rot_q, rot_k = self.rope(phi_q, phi_k, positions, seq_dim=-2)
+            if torch.is_grad_enabled() and (rot_q.requires_grad or rot_k.requires_grad):
+                rot_q, rot_k = _UnitChannelGrad.apply(rot_q), _UnitChannelGrad.apply(rot_k)
         else:
             rot_q, rot_k = phi_q, phi_k
         if self.causal:
-            # S_m = sum_{n<=m} (R_n phi(k_n)) v_n^T and z_m = sum_{n<=m} phi(k_n)
-            kv_prefix = torch.einsum("bhnd,bhne->bhnde", rot_k, v).cumsum(dim=2)
-            numerator = torch.einsum("bhnd,bhnde->bhne", rot_q, kv_prefix)
-            denominator = (phi_q * phi_k.cumsum(dim=2)).sum(dim=-1)
+            out = causal_linear_attention(rot_q, rot_k, phi_q, phi_k, v, chunk_size=self.chunk_size, eps=self.eps)
         else:
             kv_sum = torch.einsum("bhnd,bhne->bhde", rot_k, v)
             numerator = torch.einsum("bhnd,bhde->bhne", rot_q, kv_sum)
             denominator = torch.einsum("bhnd,bhd->bhn", phi_q, phi_k.sum(dim=2))
-        out = numerator / denominator.clamp_min(self.eps).unsqueeze(-1)
+            out = numerator / denominator.clamp_min(self.eps).unsqueeze(-1)
         return self.o_proj(out.transpose(1, 2).flatten(2).to(x.dtype))

@@ -10,7 +10,7 @@ from torch import nn
 from ..config.rules import inv_frequencies
 from ..functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
 from ..rope.frequencies import cos_sin
-from ..validation import check_even_positive, check_layout, check_positions, check_positive_float
+from ..validation import check_even_positive, check_layout, check_positions, check_positive_float, is_dtensor
 
 _MIN_TABLE = 256
 # The cached tables never grow past this many rows (32 MiB at rotary_dim 128); rows of farther
@@ -21,6 +21,20 @@ MAX_CACHED_POSITIONS = 1 << 16
 
 def _round_up_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _rule_length(needed: int, seq_len: int | None) -> int:
+    """The length a dynamic scaling rule decides from: ``seq_len`` if given, else one past the largest position."""
+    if seq_len is None:
+        return needed
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise TypeError(f"seq_len must be None or an int >= 1, got {type(seq_len).__name__} {seq_len!r}")
+    if seq_len < needed:
+        raise ValueError(
+            f"seq_len (the length of the whole sequence, which the scaling rule decides from) must exceed every "
+            f"position: got seq_len={seq_len} but a position of {needed - 1}; pass the global length, not a shard's"
+        )
+    return seq_len
 
 
 class RotaryEmbedding(nn.Module):
@@ -116,18 +130,26 @@ class RotaryEmbedding(nn.Module):
         self._tables[device] = cached
         return cached
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gathered float32 tables of shape ``positions.shape + (rotary_dim // 2,)``."""
+    def cos_sin(
+        self, positions: torch.Tensor, *, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered float32 tables of shape ``positions.shape + (rotary_dim // 2,)``.
+
+        ``seq_len``: the length a dynamic scaling rule decides from (see :meth:`forward`).
+        """
         check_positions(positions)
         needed = int(positions.max()) + 1 if positions.numel() else 0
-        return self._gather(positions, needed)
+        return self._gather(positions, needed, seq_len)
 
-    def _gather(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(
+        self, positions: torch.Tensor, needed: int, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables at ``positions`` (already validated), whose largest entry is ``needed - 1``."""
+        rule_length = _rule_length(needed, seq_len)
         if positions.numel() == 0:
             empty = torch.empty(*positions.shape, self.rotary_dim // 2, device=positions.device)
             return empty, empty.clone()
-        self._refresh_dynamic(needed)
+        self._refresh_dynamic(rule_length)
         if needed > self.max_cached_positions:  # far positions: their rows alone (same values as cached rows)
             return cos_sin(positions, self.inv_freq, attention_scale=self.attention_scale)
         cos, sin = self.tables(needed, positions.device)
@@ -187,11 +209,11 @@ class RotaryEmbedding(nn.Module):
         return axis, pos, needed
 
     def _broadcast_tables(
-        self, x: torch.Tensor, positions: torch.Tensor | None, offset: Any, seq_dim: int
+        self, x: torch.Tensor, positions: torch.Tensor | None, offset: Any, seq_dim: int, seq_len: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate ``x`` and return cos/sin viewed with ``x.dim()`` dimensions for :func:`apply_rotary`."""
         axis, pos, needed = self._checked_positions(x, positions, offset, seq_dim)
-        cos, sin = self._gather(pos, needed)
+        cos, sin = self._gather(pos, needed, seq_len)
         view = [1] * x.dim()
         view[axis] = x.shape[axis]
         view[-1] = self.rotary_dim // 2
@@ -200,7 +222,7 @@ class RotaryEmbedding(nn.Module):
         return cos.reshape(view), sin.reshape(view)
 
     def _table_rows(
-        self, x: torch.Tensor, positions: torch.Tensor | None, offset: Any, seq_dim: int
+        self, x: torch.Tensor, positions: torch.Tensor | None, offset: Any, seq_dim: int, seq_len: int | None
     ) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Validate ``x`` and name its tokens' rows: ``(cos_table, sin_table, position keywords)``.
 
@@ -208,7 +230,7 @@ class RotaryEmbedding(nn.Module):
         ``max_cached_positions``, tables computed for these tokens alone.
         """
         _, pos, needed = self._checked_positions(x, positions, offset, seq_dim)
-        self._refresh_dynamic(needed)
+        self._refresh_dynamic(_rule_length(needed, seq_len))
         if needed > self.max_cached_positions:
             cos, sin = cos_sin(pos, self.inv_freq, attention_scale=self.attention_scale)
             rows = torch.arange(pos.numel(), device=x.device).reshape(pos.shape)
@@ -228,13 +250,17 @@ class RotaryEmbedding(nn.Module):
         offset: int | torch.Tensor = 0,
         seq_dim: int = -2,
         inplace: bool = False,
+        seq_len: int | None = None,
+        shard_scheme: str | None = None,
     ) -> torch.Tensor:
         """Rotate one tensor ``x`` (a query or a key); arguments as in :meth:`forward`."""
+        if is_dtensor(x) or shard_scheme is not None:
+            return self._forward_dtensor(x, None, positions, offset, seq_dim, inplace, seq_len, shard_scheme)[0]
         if isinstance(x, torch.Tensor) and 2 <= x.dim() <= 4:
-            cos, sin, where = self._table_rows(x, positions, offset, seq_dim)
+            cos, sin, where = self._table_rows(x, positions, offset, seq_dim, seq_len)
             return rotate(x, cos, sin, **where, seq_dim=seq_dim, layout=self.layout, inplace=inplace,
                           backend=self.backend)
-        cos, sin = self._broadcast_tables(x, positions, offset, seq_dim)
+        cos, sin = self._broadcast_tables(x, positions, offset, seq_dim, seq_len)
         return apply_rotary(x, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
 
     def forward(
@@ -246,6 +272,8 @@ class RotaryEmbedding(nn.Module):
         offset: int | torch.Tensor = 0,
         seq_dim: int = -2,
         inplace: bool = False,
+        seq_len: int | None = None,
+        shard_scheme: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotate queries and keys.
 
@@ -259,6 +287,16 @@ class RotaryEmbedding(nn.Module):
             seq_dim: the sequence axis of ``q`` and ``k`` (``-2`` for ``(b, h, s, d)``,
                 ``-3`` for ``(b, s, h, d)``, ``0`` for packed ``(tokens, h, d)``).
             inplace: rotate ``q`` and ``k`` in place.
+            seq_len: the length of the whole sequence, which dynamic scaling rules (``DynamicNTK``,
+                LongRoPE's short/long switch) decide from; default one past the largest position.
+                A rank holding a shard of a sequence must pass the global length (the same on every
+                rank: :class:`ropekit.distributed.ContextShard` gives it as ``rope_seq_len``); it must
+                exceed every position. Static rules ignore it.
+            shard_scheme: for ``DTensor`` q and k only: the order their sequence was stored in before
+                it was sharded (``"contiguous"``, the default; ``"zigzag"`` after torch's
+                ``context_parallel`` load balancer; ``"striped"``). Their positions then come from the
+                placement (:func:`ropekit.distributed.dtensor_positions`), ``seq_len`` from their
+                global shape, and the results are DTensors placed like q and k.
 
         Returns:
             ``(q_rotated, k_rotated)`` with the input shapes and dtypes.
@@ -267,8 +305,10 @@ class RotaryEmbedding(nn.Module):
         kernel call; the rows are looked up by position, inside the kernel on CUDA); other
         shapes to :func:`ropekit.apply_rotary_qk` with the rows gathered here.
         """
+        if is_dtensor(q) or is_dtensor(k) or shard_scheme is not None:
+            return self._forward_dtensor(q, k, positions, offset, seq_dim, inplace, seq_len, shard_scheme)
         if k is None:
-            return self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace), None
+            return self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len), None
         if k.shape[seq_dim] != q.shape[seq_dim]:
             raise ValueError(
                 f"q and k must have the same length along seq_dim={seq_dim}, got {q.shape[seq_dim]} and "
@@ -277,19 +317,54 @@ class RotaryEmbedding(nn.Module):
         if k.shape[-1] != self.head_dim:
             raise ValueError(f"k has head_dim {k.shape[-1]}, this RotaryEmbedding was built for {self.head_dim}")
         if k.dim() != q.dim() or k.shape[0] != q.shape[0] or k.dtype != q.dtype:  # not one call: one each
-            return (self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace),
-                    self.rotate(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace))
+            return (self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len),
+                    self.rotate(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len))
         if 2 <= q.dim() <= 4:
-            cos, sin, where = self._table_rows(q, positions, offset, seq_dim)
+            cos, sin, where = self._table_rows(q, positions, offset, seq_dim, seq_len)
             return rotate_qk(q, k, cos, sin, **where, seq_dim=seq_dim, layout=self.layout, inplace=inplace,
                              backend=self.backend)
-        cos, sin = self._broadcast_tables(q, positions, offset, seq_dim)
+        cos, sin = self._broadcast_tables(q, positions, offset, seq_dim, seq_len)
         return apply_rotary_qk(q, k, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
+
+    def _forward_dtensor(
+        self, q: Any, k: Any, positions: torch.Tensor | None, offset: Any, seq_dim: int, inplace: bool,
+        seq_len: int | None, shard_scheme: str | None,
+    ) -> tuple[Any, Any]:
+        """DTensor q/k: rotate the local tensors by the positions their placement holds; re-wrap."""
+        if not (is_dtensor(q) or is_dtensor(k)):
+            raise ValueError(
+                "shard_scheme applies to DTensor q and k only; a plain shard takes its positions= "
+                "(ropekit.distributed.shard_positions or ContextShard.positions)"
+            )
+        if not (isinstance(offset, int) and not isinstance(offset, bool) and offset == 0):
+            raise ValueError("offset cannot be used with DTensor q/k: their positions come from the placement")
+        if inplace is True and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k)):
+            raise ValueError(
+                "inplace=True cannot rotate DTensors that require grad (autograd forbids writing into the view "
+                "to_local() returns); use inplace=False"
+            )
+        from ..distributed.dtensor import local_shards
+
+        local = local_shards(q, k, seq_dim=seq_dim, scheme="contiguous" if shard_scheme is None else shard_scheme,
+                             positions=positions, seq_len=seq_len)
+        q_out, k_out = self.forward(local.q, local.k, local.positions, seq_dim=seq_dim, inplace=inplace,
+                                    seq_len=local.seq_len)
+        return (q, k) if inplace else local.wrap(q_out, k_out)
 
     # -- construction from configs ------------------------------------------------------------
     @classmethod
     def from_config(cls, config: Any, *, backend: str = "auto") -> RotaryEmbedding:
-        """Build from a :class:`ropekit.RopeConfig` (head_dim, rotary_dim, base, layout, scaling)."""
+        """Build from a :class:`ropekit.RopeConfig` (head_dim, rotary_dim, base, layout, scaling).
+
+        A multi-axis config (``config.axes`` set: M-RoPE, axial) raises: its positions are vectors;
+        use :class:`ropekit.nn.MultiAxisRotaryEmbedding`.
+        """
+        if getattr(config, "axes", None) is not None:
+            raise ValueError(
+                f"this config is multi-axis RoPE ({config.axes!r}): positions are vectors "
+                f"({', '.join(config.axes.axis_names)}), which RotaryEmbedding (integer positions) cannot take; "
+                "use ropekit.nn.MultiAxisRotaryEmbedding.from_config(config)"
+            )
         return cls(
             config.head_dim,
             base=config.base,

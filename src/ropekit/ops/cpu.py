@@ -91,6 +91,8 @@ class CppBackend(Backend):
             self.operators()
         if not (self.takes(x) and cos.layout is torch.strided and sin.layout is torch.strided):
             return self._fallback.rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+        if x.numel() == 0:  # any strides (an empty shard's gradient): nothing the kernel's layout checks need see
+            return x if inplace else torch.empty_like(x)
         if inplace:
             self._rotate_(x, cos, sin, layout == "interleaved", conjugate)
             return x
@@ -102,6 +104,9 @@ class CppBackend(Backend):
             self.operators()
         if not (self.takes(q) and self.takes(k) and cos.layout is torch.strided and sin.layout is torch.strided):
             return super().rotate_pair(q, k, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+        if q.numel() == 0 or k.numel() == 0:
+            return (self.rotate(q, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace),
+                    self.rotate(k, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace))
         if inplace:
             self._pair_(q, k, cos, sin, layout == "interleaved", conjugate)
             return q, k
@@ -174,7 +179,7 @@ class CppBackend(Backend):
 
     def prepared(self, tensors, *, layout, inplace):
         """The operator itself, bound to the options, for tensors like ``tensors`` (see :class:`Backend`)."""
-        if not (self.is_available() and all(self.takes(t) for t in tensors)):
+        if not (self.is_available() and all(self.takes(t) and t.numel() for t in tensors)):
             return super().prepared(tensors, layout=layout, inplace=inplace)
         interleaved = layout == "interleaved"
         if len(tensors) == 3:

@@ -28,7 +28,26 @@ def pair_indices(rotary_dim: int, layout: str) -> tuple[torch.Tensor, torch.Tens
     return idx, idx + rotary_dim // 2
 
 
-def rotation_matrix(position: float | int, inv_freq: torch.Tensor, *, layout: str = "interleaved") -> torch.Tensor:
+def _is_plan(inv_freq: object) -> bool:
+    return hasattr(inv_freq, "freq_matrix") and hasattr(inv_freq, "axis_names")
+
+
+def _angles(position: object, inv_freq: object) -> torch.Tensor:
+    """float64 ``(d/2,)`` angles of one token: ``m * theta`` (1-D), or ``p @ F`` for a position vector ``p``.
+
+    ``F`` is an :class:`~ropekit.rope.axes.AxisPlan`'s ``freq_matrix()`` or any ``(n_axes, d/2)`` matrix.
+    """
+    if _is_plan(inv_freq) or (isinstance(inv_freq, torch.Tensor) and inv_freq.dim() == 2):
+        matrix = inv_freq.freq_matrix() if _is_plan(inv_freq) else inv_freq.to(torch.float64)
+        vector = torch.as_tensor(position, dtype=torch.float64).reshape(-1)
+        if vector.numel() != matrix.shape[0]:
+            raise ValueError(f"position must have one coordinate per axis ({matrix.shape[0]}), got {vector.numel()}")
+        return vector @ matrix
+    theta = torch.as_tensor(inv_freq, dtype=torch.float64).reshape(-1)
+    return torch.tensor(position, dtype=torch.float64) * theta
+
+
+def rotation_matrix(position: object, inv_freq: object, *, layout: str = "interleaved") -> torch.Tensor:
     """The explicit rotation matrix ``R(m Theta)`` of RoFormer eq. (15), in float64.
 
     Column-vector convention: ``R @ x`` rotates ``x`` at position ``m``. For the
@@ -39,18 +58,21 @@ def rotation_matrix(position: float | int, inv_freq: torch.Tensor, *, layout: st
 
     ``layout="half"`` places the same 2x2 block at rows/columns ``(i, i + d/2)``.
 
+    Multi-axis RoPE: ``position`` is a vector ``p`` (one coordinate per axis) and ``inv_freq`` an
+    :class:`ropekit.AxisPlan` or a frequency matrix ``F`` of shape ``(n_axes, d/2)``; block ``i``
+    then turns by ``(p @ F)[i]`` (for a plan: ``p[axis[i]] * inv_freq[i]``).
+
     Args:
-        position: the token position ``m`` (any real number; integers in practice).
-        inv_freq: tensor of shape ``(d/2,)`` with the frequencies ``theta_i``.
+        position: the token position ``m`` (any real number; integers in practice), or a vector.
+        inv_freq: tensor of shape ``(d/2,)`` with the frequencies ``theta_i``, or a plan / matrix.
         layout: ``"interleaved"`` (the paper's) or ``"half"``.
 
     Returns:
         float64 tensor of shape ``(d, d)``, orthogonal, with ``R(m)^T R(n) = R(n - m)``.
     """
     check_layout(layout)
-    theta = torch.as_tensor(inv_freq, dtype=torch.float64).reshape(-1)
-    rotary_dim = 2 * theta.numel()
-    angles = torch.tensor(position, dtype=torch.float64) * theta
+    angles = _angles(position, inv_freq)
+    rotary_dim = 2 * angles.numel()
     first, second = pair_indices(rotary_dim, layout)
     matrix = torch.zeros(rotary_dim, rotary_dim, dtype=torch.float64)
     matrix[first, first] = torch.cos(angles)
@@ -63,7 +85,7 @@ def rotation_matrix(position: float | int, inv_freq: torch.Tensor, *, layout: st
 def apply_reference(
     x: torch.Tensor,
     positions: torch.Tensor,
-    inv_freq: torch.Tensor,
+    inv_freq: object,
     *,
     layout: str = "half",
     attention_scale: float = 1.0,
@@ -72,25 +94,38 @@ def apply_reference(
 
     Args:
         x: tensor of shape ``(..., head_dim)``; any float dtype.
-        positions: integer tensor broadcastable to ``x.shape[:-1]``.
-        inv_freq: tensor of shape ``(rotary_dim // 2,)`` with ``rotary_dim <= head_dim``.
+        positions: integer tensor broadcastable to ``x.shape[:-1]``; for multi-axis RoPE,
+            ``(..., n_axes)`` broadcastable to ``x.shape[:-1] + (n_axes,)`` (floats allowed).
+        inv_freq: tensor of shape ``(rotary_dim // 2,)`` with ``rotary_dim <= head_dim``, or an
+            :class:`ropekit.AxisPlan` / frequency matrix ``(n_axes, rotary_dim // 2)``.
         layout: pairing of the rotated channels.
-        attention_scale: multiplies the rotated part (as the cos/sin tables would).
+        attention_scale: multiplies the rotated part (as the cos/sin tables would); a plan
+            brings its own (leave this at 1.0).
 
     Returns:
         float64 tensor of ``x``'s shape; channels past ``rotary_dim`` are copied.
     """
     check_float_tensor(x, "x")
-    rotary_dim = 2 * inv_freq.numel()
+    multi = _is_plan(inv_freq) or (isinstance(inv_freq, torch.Tensor) and inv_freq.dim() == 2)
+    if _is_plan(inv_freq):
+        if float(attention_scale) != 1.0:
+            raise ValueError("attention_scale must be left at 1.0 with an AxisPlan (the plan carries its own)")
+        attention_scale = inv_freq.attention_scale
+    pairs = inv_freq.pairs if _is_plan(inv_freq) else (inv_freq.shape[-1] if multi else inv_freq.numel())
+    rotary_dim = 2 * pairs
     if rotary_dim > x.shape[-1]:
         raise ValueError(f"x has {x.shape[-1]} channels, fewer than rotary_dim={rotary_dim}")
     x64 = x.detach().to(torch.float64).cpu()
-    pos = torch.broadcast_to(positions.cpu(), x.shape[:-1]).reshape(-1)
+    if multi:
+        n_axes = inv_freq.n_axes if _is_plan(inv_freq) else inv_freq.shape[0]
+        pos = torch.broadcast_to(positions.cpu(), (*x.shape[:-1], n_axes)).reshape(-1, n_axes)
+    else:
+        pos = torch.broadcast_to(positions.cpu(), x.shape[:-1]).reshape(-1)
     flat = x64.reshape(-1, x.shape[-1]).clone()
-    cache: dict[int, torch.Tensor] = {}
+    cache: dict[object, torch.Tensor] = {}
     for row in range(flat.shape[0]):
-        m = int(pos[row])
-        if m not in cache:
-            cache[m] = rotation_matrix(m, inv_freq, layout=layout) * float(attention_scale)
-        flat[row, :rotary_dim] = cache[m] @ flat[row, :rotary_dim]
+        key = tuple(pos[row].tolist()) if multi else int(pos[row])
+        if key not in cache:
+            cache[key] = rotation_matrix(list(key) if multi else key, inv_freq, layout=layout) * float(attention_scale)
+        flat[row, :rotary_dim] = cache[key] @ flat[row, :rotary_dim]
     return flat.reshape(x.shape)

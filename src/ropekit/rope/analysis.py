@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .analysis_axes import axis_summary
 from .frequencies import base_inv_freq
 
 #: Positions scanned exactly by the base-bound search; longer contexts are subsampled.
@@ -266,7 +267,9 @@ def describe(config: Any, *, context: int | None = None, seq_len: int | None = N
         its square), ``max_positions``, ``context``, per-pair lists (``theta`` unscaled,
         ``inv_freq``, ``wavelength``, ``rotations``, ``interpolation`` = theta / inv_freq,
         ``regime``) and the summary (``pairs_without_full_rotation``, ``pretraining``,
-        ``base_lower_bound``, ``similarity_negative_at``).
+        ``base_lower_bound``, ``similarity_negative_at``); ``axes`` (``None`` for 1-D RoPE) from
+        :func:`ropekit.rope.analysis_axes.axis_summary` for a multi-axis config, whose base bound is
+        only computed when its frequencies are the one ladder ``base^(-2i/d)`` (M-RoPE, not axial).
     """
     source = "given"
     if context is None:
@@ -276,6 +279,10 @@ def describe(config: Any, *, context: int | None = None, seq_len: int | None = N
     seq_len = context if seq_len is None else seq_len
     inv_freq, scale = config.inv_frequencies(seq_len)
     theta = base_inv_freq(config.rotary_dim, config.base)
+    axes = getattr(config, "axes", None)
+    if axes is not None and config.scaling is None:
+        theta = axes.inv_freq  # axial plans: each axis its own ladder, not base^(-2i/d) over the head
+    one_ladder = axes is None or torch.allclose(theta, base_inv_freq(config.rotary_dim, config.base), rtol=1e-12)
     wavelength = wavelengths(inv_freq)
     original = getattr(config.scaling, "original_max_position_embeddings", None)
     interpolation = torch.where(inv_freq > 0, theta / inv_freq, torch.full_like(theta, math.inf))
@@ -309,7 +316,11 @@ def describe(config: Any, *, context: int | None = None, seq_len: int | None = N
         }
     positions, _ = bound_positions(context)
     result["similarity_negative_at"] = first_negative_position(inv_freq, positions)
+    bound = bound and one_ladder  # Men et al.'s bound is about one ladder base^(-2i/d)
     result["base_lower_bound"] = base_lower_bound(config.rotary_dim, context) if bound else None
+    result["axes"] = None
+    if axes is not None:
+        result["axes"] = axis_summary(config.axis_plan(seq_len), context)
     if bound and original is not None and original != context:
         result["pretraining"]["base_lower_bound"] = base_lower_bound(config.rotary_dim, original)
     return result

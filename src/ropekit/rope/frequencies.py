@@ -104,7 +104,7 @@ def rotation_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Te
 
 def cos_sin(
     positions: torch.Tensor,
-    inv_freq: torch.Tensor,
+    inv_freq: Any,
     *,
     attention_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,14 +114,28 @@ def cos_sin(
     These are the *half-width* tables every ropekit apply takes: one entry per
     rotary pair, not duplicated to ``rotary_dim``.
 
+    Multi-axis RoPE: pass an :class:`ropekit.AxisPlan` as ``inv_freq`` and positions of shape
+    ``(..., n_axes)`` (integer or float, negative allowed); pair ``i`` then turns by
+    ``positions[..., axis[i]] * inv_freq[i]`` and the plan's own attention scale is folded in.
+
     Args:
-        positions: integer tensor of shape ``P`` (e.g. ``(seq,)`` or ``(batch, seq)``).
-        inv_freq: tensor of shape ``(rotary_dim // 2,)`` (float64 from :func:`inv_frequencies`).
-        attention_scale: factor folded into both tables (YaRN / LongRoPE mscale).
+        positions: 1-D RoPE: integer tensor of shape ``P`` (e.g. ``(seq,)`` or ``(batch, seq)``),
+            ``>= 0``. With a plan: ``P + (n_axes,)``.
+        inv_freq: tensor of shape ``(rotary_dim // 2,)`` (float64 from :func:`inv_frequencies`),
+            or an :class:`ropekit.AxisPlan`.
+        attention_scale: factor folded into both tables (YaRN / LongRoPE mscale); a plan
+            carries its own (leave this at 1.0).
 
     Returns:
         ``(cos, sin)``, float32 tensors of shape ``P + (rotary_dim // 2,)``.
     """
+    if callable(getattr(inv_freq, "cos_sin", None)) and hasattr(inv_freq, "axis_names"):  # an AxisPlan
+        if float(attention_scale) != 1.0:
+            raise ValueError(
+                f"attention_scale must be left at 1.0 with an AxisPlan (the plan carries its own, "
+                f"{inv_freq.attention_scale:g}), got {attention_scale!r}"
+            )
+        return inv_freq.cos_sin(positions)
     angles = rotation_angles(positions, inv_freq)
     scale = float(attention_scale)
     cos = torch.cos(angles)

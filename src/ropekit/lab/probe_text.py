@@ -1,0 +1,46 @@
+"""The text ``ropekit probe`` reads: ``--prompt``, ``--text FILE`` or a default passage of the lab's KJV corpus."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def default_text() -> tuple[str, str]:
+    """``(text, label)``: the held-out chapters of the lab's KJV split (:mod:`ropekit.lab.charlm`), in order."""
+    from .charlm import fetch_kjv, read_verses, split_verses
+
+    _, val = split_verses(read_verses(fetch_kjv()))
+    return val, "KJV, the held-out chapters of the lab's split (every 20th chapter from Genesis 20 on)"
+
+
+def encode(tokenizer: Any, text: str, limit: int, option: str) -> torch.Tensor:
+    """The first ``limit`` token ids of ``text``, ``(1, N)`` int64; ``ValueError`` naming ``option`` below 3 tokens."""
+    if not text.strip():
+        raise ValueError(f"{option}: the text is empty")
+    head = text[: 32 * limit]  # no token is 32 characters long on average: the cut never shortens the ids
+    ids = tokenizer(head, return_tensors="pt", add_special_tokens=False)["input_ids"][:, :limit]
+    if ids.shape[1] < 3:
+        raise ValueError(f"{option}: the text gives {ids.shape[1]} token(s); the probe needs at least 3")
+    return ids.to(torch.int64)
+
+
+def read_text(path: str) -> str:
+    """The UTF-8 text of ``--text FILE``; ``ValueError`` naming the option for a missing or binary file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"--text {path!r}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"--text {path!r}: a directory, not a text file") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--text {path!r}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def text_record(text: str, label: str) -> dict[str, Any]:
+    """The ``text`` section of the document (source, SHA-256 of the UTF-8 text, a preview)."""
+    return {"source": label, "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            "preview": " ".join(text.split())[:160]}
