@@ -154,6 +154,21 @@ def test_kv_cache_with_max_length_gives_the_same_attention_as_the_concatenating_
     assert rotating.length == 13 and torch.equal(rotating.k, before)
 
 
+def test_xpos_attention_with_a_preallocated_cache_scales_its_keys():
+    """xPos keys are scaled as well as rotated: a KVCache(max_length) must not rotate them into their slots
+    with the queries' tables (the preallocated cache then only stores what xPos computed)."""
+    from ropekit.nn import XPosEmbedding
+
+    torch.manual_seed(1)
+    attn = RotarySelfAttention(64, 4, rope=XPosEmbedding(16, scale_base=8.0)).eval()
+    x = torch.randn(1, 9, 64)
+    with torch.no_grad():
+        cache = KVCache(max_length=12)
+        out = torch.cat([attn(x[:, :5], cache=cache)] + [attn(x[:, t:t + 1], cache=cache) for t in range(5, 9)], 1)
+        full = attn(x)
+    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-6)
+
+
 def test_kv_cache_update_rotating_under_autograd_rotates_then_appends():
     cache = KVCache(max_length=8)
     k = torch.randn(1, 2, 3, 32, requires_grad=True)

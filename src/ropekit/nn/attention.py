@@ -239,10 +239,10 @@ class RotarySelfAttention(nn.Module):
         q = self._split_heads(self.q_proj(x), self.num_heads)
         k = self._split_heads(self.k_proj(x), self.num_kv_heads)
         v = self._split_heads(self.v_proj(x), self.num_kv_heads)
-        into_cache = cache is not None and cache.max_length is not None and not (
+        into_cache = cache is not None and cache.max_length is not None and self.rope.keys_rotate_like_queries and not (
             torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
         if into_cache:  # q rotated here, k rotated into its cache slots (tables computed once for both)
-            cos, sin = self.rope._broadcast_tables(q, positions, 0 if positions is not None else past, -2)
+            cos, sin = self.rope._broadcast_tables(q, positions, 0 if positions is not None else past, -2, None)
             q = apply_rotary(q, cos, sin, layout=self.rope.layout, backend=self.rope.backend)
         elif positions is None:
             q, k = self.rope(q, k, offset=past, seq_dim=-2)

@@ -38,24 +38,6 @@ def feature_map(x: torch.Tensor) -> torch.Tensor:
     return F.elu(x) + 1.0
 
 
-class _UnitChannelGrad(torch.autograd.Function):
-    """Identity whose backward hands on its gradient with unit channel stride.
-
-    The chunk loop's matrix products can give the rotated features a gradient whose last axis
-    is strided (a transposed layout, when one chunk covers the sequence). The rotation's backward
-    is a rotation of that gradient, and the C++ CPU kernel currently mis-writes inputs whose
-    channel stride is not 1; a contiguous gradient keeps the backward exact on every backend.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return grad.contiguous()
-
-
 def causal_linear_attention(
     rot_q: torch.Tensor,
     rot_k: torch.Tensor,
@@ -195,8 +177,6 @@ class RotaryLinearAttention(nn.Module):
         v = self._split_heads(self.v_proj(x), work)
         if self.rope is not None:
             rot_q, rot_k = self.rope(phi_q, phi_k, positions, seq_dim=-2)
-            if torch.is_grad_enabled() and (rot_q.requires_grad or rot_k.requires_grad):
-                rot_q, rot_k = _UnitChannelGrad.apply(rot_q), _UnitChannelGrad.apply(rot_k)
         else:
             rot_q, rot_k = phi_q, phi_k
         if self.causal:

@@ -62,6 +62,10 @@ class RotaryEmbedding(nn.Module):
     different number of heads (GQA / MQA).
     """
 
+    #: keys take the queries' rotation (cos/sin of their positions, nothing else), so a
+    #: preallocated KV cache may rotate them into their slots; False for xPos (its keys are scaled).
+    keys_rotate_like_queries: bool = True
+
     def __init__(
         self,
         head_dim: int,

@@ -67,6 +67,8 @@ class XPosEmbedding(RotaryEmbedding):
     float64 inputs); outputs have the input dtype.
     """
 
+    keys_rotate_like_queries = False  # keys scaled by zeta^(-(m-c)/B): not the queries' rotation
+
     def __init__(
         self,
         head_dim: int,

@@ -56,21 +56,25 @@ namespace {
 #include "cpu_jobs.h"
 #include "fused_cpu.h"
 
+// Out of place: the output is allocated like the input the kernel reads (unit channel stride), never
+// like a strided x, whose channels the kernel would otherwise write as if they were contiguous.
 Tensor rotate(const Tensor &x, const Tensor &cos, const Tensor &sin, bool interleaved, bool conjugate) {
-    Tensor out = at::empty_like(x);
+    const Tensor x_in = unit_channels(x);
+    Tensor out = at::empty_like(x_in);
     Jobs jobs;
-    add_jobs(unit_channels(x), out, cos, sin, flags_of(interleaved, conjugate, true), jobs);
+    add_jobs(x_in, out, cos, sin, flags_of(interleaved, conjugate, true), jobs);
     run_jobs(jobs);
     return out;
 }
 
 std::tuple<Tensor, Tensor> rotate_pair(const Tensor &q, const Tensor &k, const Tensor &cos, const Tensor &sin,
                                        bool interleaved, bool conjugate) {
-    Tensor q_out = at::empty_like(q), k_out = at::empty_like(k);
+    const Tensor q_in = unit_channels(q), k_in = unit_channels(k);
+    Tensor q_out = at::empty_like(q_in), k_out = at::empty_like(k_in);
     const int64_t flags = flags_of(interleaved, conjugate, true);
     Jobs jobs;
-    add_jobs(unit_channels(q), q_out, cos, sin, flags, jobs);
-    add_jobs(unit_channels(k), k_out, cos, sin, flags, jobs);
+    add_jobs(q_in, q_out, cos, sin, flags, jobs);
+    add_jobs(k_in, k_out, cos, sin, flags, jobs);
     run_jobs(jobs);
     return {q_out, k_out};
 }
