@@ -328,3 +328,38 @@ def test_default_output_folders_are_ignored_by_git():
     for verb, folder in defaults.items():
         done = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", f"{folder}/results.json"], env=ENV)
         assert done.returncode == 0, f"{verb}'s default --out {folder}/ is not in .gitignore"
+
+
+def test_an_interrupt_python_drops_in_a_callback_still_ends_the_run_with_no_output(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while a weakref callback runs: Python reports the KeyboardInterrupt as "Exception ignored" and
+    carries on (seen once in ``ropekit report``, exit 0). The run must still end 130, and write nothing."""
+    import argparse
+    import weakref
+
+    from ropekit import files
+
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: dropped.append(info.exc_type))
+    target = tmp_path / "out.txt"
+
+    def verb(args):
+        class Token:
+            pass
+
+        token = Token()
+        weakref.finalize(token, lambda: [os.kill(os.getpid(), signal.SIGINT)] + [n for n in range(1000)])
+        del token  # the finalizer runs here; the SIGINT handler raises inside it, and Python drops that
+        files.write_bytes_atomic(target, b"complete-looking output")
+        return 0
+
+    parser = argparse.ArgumentParser(prog="ropekit")
+    parser.add_argument("verb")
+    parser.set_defaults(func=verb)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    before = signal.getsignal(signal.SIGINT)
+    assert main(["fake"]) == 130
+    assert dropped == [KeyboardInterrupt]  # the interrupt really was dropped on the way
+    assert capsys.readouterr().err.splitlines()[-1] == "ropekit fake: interrupted"
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is before  # main puts the previous handler back
+    files.clear_interrupt()

@@ -251,7 +251,7 @@ def test_capture_sees_q_and_k_before_and_after_rotation(family):
     AttentionInterface.register("ropekit_test_capture", attention)
     model = tiny(family)
     model.set_attn_implementation("ropekit_test_capture")
-    ref = logits(patch(model), IDS)
+    ref = logits(patch(model, fuse=False), IDS)  # a capture keeps transformers' q/k norms (Qwen3): not fused
     unpatch(model)
     patch(model, capture=capture)
     try:

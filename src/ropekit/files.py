@@ -21,6 +21,11 @@ ropekit's name and marker file (or are empty) and whose lock is free
 
 :func:`fs_step` is called before each step that changes the file system; tests replace it to stop
 a run at every step.
+
+An interrupt Python could not deliver (Ctrl-C arriving while a weakref or ``__del__`` callback runs
+is printed as "Exception ignored" and dropped) still stops an output from appearing: the command
+line's SIGINT handler records it (:func:`note_interrupt`) before raising, and every final rename
+first calls :func:`raise_if_interrupted`.
 """
 
 from __future__ import annotations
@@ -44,6 +49,25 @@ STAGING_PREFIX = ".ropekit-staging-"
 MARKER = ".ropekit-staging"
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+_interrupted = False  # a SIGINT was received (see note_interrupt)
+
+
+def note_interrupt() -> None:
+    """Record that the user interrupted the run (called by the command line's SIGINT handler)."""
+    global _interrupted
+    _interrupted = True
+
+
+def clear_interrupt() -> None:
+    """Forget a recorded interrupt (a new command line run in the same process starts clean)."""
+    global _interrupted
+    _interrupted = False
+
+
+def raise_if_interrupted() -> None:
+    """Raise ``KeyboardInterrupt`` if an interrupt was recorded, even one Python dropped on the way."""
+    if _interrupted:
+        raise KeyboardInterrupt
 
 
 def fs_step(action: str, path: Path) -> None:
@@ -179,6 +203,7 @@ def make_directory(path: Path) -> None:
 
 def replace_file(new: Path, path: Path) -> None:
     """Move the finished file ``new`` onto ``path`` in one :func:`os.replace`."""
+    raise_if_interrupted()
     fs_step("replace", path)
     os.replace(new, path)
     _fsync(path.parent)
@@ -206,6 +231,7 @@ def replace_directory(new: Path, path: Path) -> None:
     into the staging directory first; either way the old content ends up in the staging directory,
     which removes it.
     """
+    raise_if_interrupted()
     if os.path.lexists(path):
         if not _exchange(new, path):
             fs_step("retire", path)

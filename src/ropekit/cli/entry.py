@@ -15,7 +15,10 @@ How a run ends, whatever the verb (:func:`main` applies the rule, the verbs do n
   ``raise`` statement in ropekit's own code (the library's validation, whose messages name the
   argument, what was expected and what was given), and an ``OSError`` on a path the user named
   (that path, a file inside it, or a folder on the way to it: permission denied, disk full, ...);
-- exit 130 and ``ropekit <verb>: interrupted`` on Ctrl-C;
+- exit 130 and ``ropekit <verb>: interrupted`` on Ctrl-C, also when the ``KeyboardInterrupt``
+  was raised inside a callback Python ignores exceptions of (a weakref or ``__del__`` callback):
+  the SIGINT handler records the interrupt, no output is moved into place after it
+  (:func:`ropekit.files.raise_if_interrupted`), and a verb that returns after it still ends 130;
 - anything else is a bug and keeps Python's traceback (exit 1): ``KeyError``, ``AttributeError``,
   ``RuntimeError``, a ``ValueError`` raised inside torch or by a builtin such as ``int("x")``, an
   ``OSError`` on one of ropekit's own files.
@@ -30,8 +33,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
+from .. import files
 from .errors import Parser, UserError, user_error_message
 from .outputs import prepared_outputs
 
@@ -59,15 +65,35 @@ def _verb_in(argv: list[str]) -> str | None:
     return next((word for word in argv if not word.startswith("-")), None)
 
 
+def _on_sigint(signum, frame) -> None:
+    """Ctrl-C: record it (an exception raised inside a callback would be dropped), then raise."""
+    files.note_interrupt()
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ropekit`` console script and ``python -m ropekit``; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _on_sigint) if in_main_thread else None
+    files.clear_interrupt()
+    try:
+        return _run(argv)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _run(argv: list[str]) -> int:
+    """Parse, run the verb and turn how it ended into the exit code (the module docstring's rule)."""
     verb = _verb_in(argv)
     args = None
     try:
         args = build_parser().parse_args(argv)
         with prepared_outputs(args):
-            return args.func(args)
+            code = args.func(args)
+            files.raise_if_interrupted()  # an interrupt dropped by Python on the way still ends the run
+            return code
     except KeyboardInterrupt:
         print(f"{'ropekit ' + verb if verb else 'ropekit'}: interrupted", file=sys.stderr)
         return 130
