@@ -6,32 +6,20 @@ time for sm_90 (no GPU needed) so that code the interpreter accepts but the comp
 would reject is caught here; ``test_cuda_*`` runs the real kernel where a GPU exists.
 """
 
-import os
+import importlib.util
+import inspect
+import sys
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import importlib.util  # noqa: E402
-import inspect  # noqa: E402
-import sys  # noqa: E402
+import ropekit
+from ropekit import apply_reference, base_inv_freq, cos_sin
+from triton_interpreter import import_interpreted
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-import ropekit  # noqa: E402
-from ropekit import apply_reference, base_inv_freq, cos_sin  # noqa: E402
-from ropekit.ops import triton_kernel as triton_rotary  # noqa: E402
-
-# The variable is needed while triton is first imported; afterwards only our tests need it
-# (per test, below), so the rest of the suite sees the environment it started with.
-if _PREVIOUS_INTERPRET is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+triton, (triton_rotary,) = import_interpreted("ropekit.ops.triton_kernel")
 
 torch.set_num_threads(1)
 

@@ -6,29 +6,19 @@ at the pair's magnitude (1 on a GPU); float32 keeps its bound of 8.
 """
 
 import os
+import subprocess
+import sys
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+import ropekit
+from fused_helpers import exact64, normalized64, radius_ulps, unfused
+from triton_interpreter import import_interpreted
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from fused_helpers import exact64, normalized64, radius_ulps, unfused  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-import ropekit  # noqa: E402
-from ropekit.ops import triton_fused  # noqa: E402
-
-if _PREVIOUS_INTERPRET is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+triton, (triton_fused,) = import_interpreted("ropekit.ops.triton_fused")
 
 torch.set_num_threads(1)
 BOUND = {torch.bfloat16: 2.0, torch.float16: 2.0, torch.float32: 8.0}

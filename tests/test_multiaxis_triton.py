@@ -5,24 +5,14 @@ the launches are counted so that a silent fall-back to eager fails. Shapes stay 
 interpreter is slow.
 """
 
-import os
+import pytest
+import torch
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+import ropekit
+from multiaxis_cases import PLANS, assert_close_to_reference, positions_for
+from triton_interpreter import import_interpreted
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-import ropekit  # noqa: E402
-from multiaxis_cases import PLANS, assert_close_to_reference, positions_for  # noqa: E402
-from ropekit.ops import triton_kernel  # noqa: E402
-
-if _PREVIOUS_INTERPRET is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+triton, (triton_kernel,) = import_interpreted("ropekit.ops.triton_kernel")
 
 
 @pytest.fixture(autouse=True)
