@@ -68,6 +68,11 @@ def ops(q, k, cos, sin):
 
 def measure(fns: dict, repeats: int, calls: int = 1, warmup: int = 5) -> dict[str, float]:
     """Median seconds per call of each fn (timed ``calls`` at a time), interleaved within every repeat."""
+    return {name: statistics.median(ts) for name, ts in timings(fns, repeats, calls, warmup).items()}
+
+
+def timings(fns: dict, repeats: int, calls: int = 1, warmup: int = 5) -> dict[str, list[float]]:
+    """Seconds per call of each fn in every repeat (timed ``calls`` at a time), the fns interleaved."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(warmup):
         for fn in fns.values():
@@ -78,7 +83,7 @@ def measure(fns: dict, repeats: int, calls: int = 1, warmup: int = 5) -> dict[st
             for _ in range(calls):
                 fn()
             times[name].append((time.perf_counter() - start) / calls)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def main() -> None:

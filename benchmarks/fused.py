@@ -25,10 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from cpu_floor import timings  # the sibling script: run as ``python benchmarks/fused.py``
 
 import ropekit
 
@@ -41,16 +41,7 @@ def spread_pct(times: list[float]) -> float:
 
 def measure(fns: dict, repeats: int, calls: int = 1, warmup: int = 3) -> dict[str, tuple[float, float]]:
     """``name -> (median seconds per call, spread %)``, the functions interleaved within every repeat."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - start) / calls)
+    times = timings(fns, repeats, calls, warmup)
     return {name: (statistics.median(ts), spread_pct(ts)) for name, ts in times.items()}
 
 
