@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import ropekit
 from ropekit import apply_reference, base_inv_freq, cos_sin
-from triton_interpreter import import_interpreted
+from triton_interpreter import count_calls, import_interpreted
 
 triton, (triton_rotary,) = import_interpreted("ropekit.ops.triton_kernel")
 
@@ -60,15 +60,7 @@ def _interpret(monkeypatch):
 @pytest.fixture
 def launches(monkeypatch):
     """Count kernel launches."""
-    calls = []
-    real = triton_rotary.launch
-
-    def counting(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(triton_rotary, "launch", counting)
-    return calls
+    return count_calls(monkeypatch, triton_rotary, "launch")
 
 
 def tables(rotary_dim, rows=TABLE_ROWS, device="cpu"):

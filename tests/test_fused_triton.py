@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import ropekit
 from fused_helpers import exact64, normalized64, radius_ulps, unfused
-from triton_interpreter import import_interpreted
+from triton_interpreter import count_calls, import_interpreted
 
 triton, (triton_fused,) = import_interpreted("ropekit.ops.triton_fused")
 
@@ -32,15 +32,7 @@ def _interpret(monkeypatch):
 @pytest.fixture
 def launches(monkeypatch):
     """Count the fused kernel's launches (a fallback to the composite launches nothing)."""
-    calls = []
-    real = triton_fused.launch_norm_rotate
-
-    def counting(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(triton_fused, "launch_norm_rotate", counting)
-    return calls
+    return count_calls(monkeypatch, triton_fused, "launch_norm_rotate")
 
 
 def tables(rotary_dim, positions):

@@ -10,7 +10,7 @@ import torch
 
 import ropekit
 from multiaxis_cases import PLANS, assert_close_to_reference, positions_for
-from triton_interpreter import import_interpreted
+from triton_interpreter import count_calls, import_interpreted
 
 triton, (triton_kernel,) = import_interpreted("ropekit.ops.triton_kernel")
 
@@ -22,15 +22,7 @@ def _interpret(monkeypatch):
 
 @pytest.fixture
 def launches(monkeypatch):
-    calls = []
-    real = triton_kernel.launch
-
-    def counting(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(triton_kernel, "launch", counting)
-    return calls
+    return count_calls(monkeypatch, triton_kernel, "launch")
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])

@@ -26,3 +26,16 @@ def import_interpreted(*modules: str) -> tuple[ModuleType, list[ModuleType]]:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = previous
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: ModuleType, name: str) -> list[dict]:
+    """Wrap ``module.name`` so each call appends its keyword arguments to the returned list (a launch counter)."""
+    calls: list[dict] = []
+    real = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
