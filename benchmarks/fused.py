@@ -7,8 +7,9 @@ alike), at every thread count asked for; ratios are computed from the medians of
              F.rms_norm of q and k then ropekit.apply_rotary_qk (the unfused composition), and
              against the floors x.clone() (out of place) and x.mul_(1.0) (in place) of q and k
     decode   k, v (16, 32, 1, 128) into caches (16, 32, 1024, 128): ropekit.rotate_into_cache
-             against ropekit.apply_rotary then two slice copies into the caches (rotate-then-copy);
-             timed 200 calls at a time
+             against ropekit.apply_rotary then two slice copies into the caches (rotate-then-copy),
+             every call at the next slot as decoding writes them (and, apart, always the same
+             slot); timed 200 calls at a time
     model    greedy decoding of a tiny random Qwen3 (4 layers, hidden 256, 8 heads, 4 kv heads,
              head_dim 64): tokens/s unpatched, patched (transformers' default cache), patched with
              ropekit's static cache, and unpatched with transformers' StaticCache
@@ -23,6 +24,7 @@ median). Usage::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 
@@ -70,30 +72,53 @@ def prefill(dtype: torch.dtype, repeats: int) -> dict:
 
 
 def decode(dtype: torch.dtype, repeats: int) -> dict:
-    """k, v ``(16, 32, 1, 128)`` into ``(16, 32, 1024, 128)`` caches: rotate-into-cache against rotate-then-copy."""
+    """k, v ``(16, 32, 1, 128)`` into ``(16, 32, 1024, 128)`` caches: rotate-into-cache against rotate-then-copy.
+
+    As decoding does, every call writes the next slot with its own position's tables (slots 0, 1,
+    ..., 1023, then 0 again: each form keeps its own count), so the cache lines written are
+    seldom in a CPU cache. The same slot every call (lines that stay cached, which flatters the
+    ordinary stores of rotate-then-copy) is timed too.
+    """
     gen = torch.Generator().manual_seed(1)
-    batch, heads, length, dim, position = 16, 32, 1024, 128, 700
+    batch, heads, length, dim, fixed = 16, 32, 1024, 128, 700
     k = torch.randn(batch, heads, 1, dim, generator=gen).to(dtype)
     v = torch.randn(batch, heads, 1, dim, generator=gen).to(dtype)
     k_cache, v_cache = torch.zeros(batch, heads, length, dim, dtype=dtype), torch.zeros(batch, heads, length, dim,
                                                                                          dtype=dtype)
     inv_freq, _ = ropekit.inv_frequencies(dim)
-    cos, sin = ropekit.cos_sin(torch.tensor([position]), inv_freq)  # (1, half): every row at one position
-    starts = torch.full((batch,), position)
+    cos, sin = ropekit.cos_sin(torch.arange(length), inv_freq)  # (length, half): row p for position p
+    steps = [(p, cos[p:p + 1], sin[p:p + 1], torch.full((batch,), p)) for p in range(length)]
 
-    def rotate_then_copy():
-        k_cache[:, :, position:position + 1] = ropekit.apply_rotary(k, cos, sin)
-        v_cache[:, :, position:position + 1] = v
+    def counter():
+        return itertools.cycle(steps).__next__
+
+    def rotate_then_copy(step):
+        def run():
+            p, c, s, _ = step()
+            k_cache[:, :, p:p + 1] = ropekit.apply_rotary(k, c, s)
+            v_cache[:, :, p:p + 1] = v
+        return run
+
+    def into(step, per_row=False):
+        def run():
+            p, c, s, starts = step()
+            ropekit.rotate_into_cache(k, v, c, s, k_cache, v_cache, starts if per_row else p)
+        return run
+
+    def same_slot():
+        return lambda: steps[fixed]
 
     t = measure({
-        "rotate then copy": rotate_then_copy,
-        "rotate into cache": lambda: ropekit.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, position),
-        "rotate into cache, per-row slots": lambda: ropekit.rotate_into_cache(k, v, cos, sin, k_cache, v_cache,
-                                                                             starts),
+        "rotate then copy": rotate_then_copy(counter()),
+        "rotate into cache": into(counter()),
+        "rotate into cache, per-row slots": into(counter(), per_row=True),
+        "same slot: rotate then copy": rotate_then_copy(same_slot()),
+        "same slot: rotate into cache": into(same_slot()),
     }, repeats, calls=200)
     return {"us": {n: 1e6 * v[0] for n, v in t.items()}, "spread_pct": {n: v[1] for n, v in t.items()},
             "speedup": t["rotate then copy"][0] / t["rotate into cache"][0],
-            "speedup_per_row_slots": t["rotate then copy"][0] / t["rotate into cache, per-row slots"][0]}
+            "speedup_per_row_slots": t["rotate then copy"][0] / t["rotate into cache, per-row slots"][0],
+            "speedup_same_slot": t["same slot: rotate then copy"][0] / t["same slot: rotate into cache"][0]}
 
 
 def tiny_qwen3(dtype: torch.dtype):

@@ -208,3 +208,45 @@ def test_decode_step_into_a_long_cache_equals_rotate_then_copy(backend, dtype, l
             want_k[b, :, first] = rotated[b, :, 0]
             want_v[b, :, first] = v[b, :, 0]
         assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.skipif("cpu" not in ops.available(), reason="C++ CPU kernel unavailable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_cache_writes_split_over_threads_give_the_bits_of_one_thread(dtype, eps):
+    """Over 2 and 3 threads (one start: keys and values each shared among the threads; a start per
+    row: the jobs of all rows cut into ranges), the caches hold what one thread writes, and that is
+    rotate-then-copy's result."""
+    hooks = ops.get("cpu").operators()
+    gen = torch.Generator().manual_seed(9)
+    batch, heads, length, d = 5, 12, 32, 72
+    k = torch.randn(batch, heads, 1, d, generator=gen).to(dtype)
+    v = torch.randn(batch, heads, 1, d, generator=gen).to(dtype)
+    w = torch.randn(d, generator=gen)
+    starts = torch.tensor([3, 31, 0, 17, 20])
+    cos, sin = tables(starts[:, None], rotary_dim=64)
+    cos, sin = cos[:, None], sin[:, None]  # (batch, 1, 1, half)
+    norm = dict(k_weight=w, eps=eps) if eps else {}
+    if eps:
+        keys = ropekit.rms_norm_rotary(k, w, cos, sin, eps=eps, backend="cpu")
+    else:
+        keys = ropekit.apply_rotary(k, cos, sin, backend="cpu")
+    for slots in (starts, 9):
+        written = []
+        for threads in (1, 2, 3):
+            old = hooks.set_thresholds(-1, 0)  # split even these few bytes
+            torch.set_num_threads(threads)
+            try:
+                k_cache, v_cache = caches((batch, heads, length, d), dtype)
+                ropekit.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, backend="cpu", **norm)
+            finally:
+                torch.set_num_threads(1)
+                hooks.set_thresholds(*old)
+            written.append((k_cache, v_cache))
+        want_k, want_v = caches((batch, heads, length, d), dtype)
+        for b in range(batch):
+            first = int(slots[b]) if isinstance(slots, torch.Tensor) else slots
+            want_k[b, :, first] = keys[b, :, 0]
+            want_v[b, :, first] = v[b, :, 0]
+        for k_cache, v_cache in written:
+            assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)

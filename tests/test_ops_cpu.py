@@ -8,6 +8,7 @@ largest output) against the float64 rotation matrices of ``ropekit.apply_referen
 
 import contextlib
 import os
+import platform
 import subprocess
 import sys
 
@@ -227,6 +228,49 @@ def test_large_tensors_take_the_planned_threaded_path(layout):
             assert_same(native(x.clone(), cos, sin, layout=layout, inplace=True), expected)
             seq_major = x.transpose(1, 2).contiguous().transpose(1, 2)  # (b, s, h, d) storage
             assert_same(native(seq_major, cos, sin, layout=layout), expected)
+
+
+def kernel_populates() -> bool:
+    """Whether this OS takes madvise(MADV_POPULATE_WRITE) (Linux 5.14 and later; older ones refuse it)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        major, minor = (int(part.split("-")[0]) for part in platform.release().split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 14)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_fresh_outputs_are_populated_first_and_hold_the_same_values(threads):
+    """Out-of-place outputs of 4 MiB and more that the allocator maps afresh (glibc maps every
+    allocation over 32 MiB anew) get their pages before the kernel writes them, in one call per
+    thread; smaller outputs do not. Either way the values are those of the other paths."""
+    hooks = KERNEL["backend"].operators()
+    page = os.sysconf("SC_PAGE_SIZE")
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(1, 16, 4352, 128, generator=gen)  # 34 MiB
+    k = torch.randn(1, 4, 4352, 128, generator=gen)
+    w = torch.randn(128, generator=gen)
+    cos, sin = ropekit.cos_sin(torch.arange(4352), ropekit.inv_frequencies(128)[0])
+    cos, sin = cos[None, None], sin[None, None]
+    with torch_threads(threads):
+        before = hooks.populated_bytes()
+        rotated = native(q, cos, sin, layout="half")
+        after_rotation = hooks.populated_bytes()
+        normed = ropekit.rms_norm_rotary_qk(q, k, w, w, cos, sin, eps=1e-6, backend="cpu")
+        after_norm = hooks.populated_bytes()
+        small = native(q[:, :1, :1024], cos[:, :, :1024], sin[:, :, :1024], layout="half")  # 512 KiB
+        assert hooks.populated_bytes() == after_norm
+        in_place = ropekit.rms_norm_rotary_qk(q.clone(), k.clone(), w, w, cos, sin, eps=1e-6, inplace=True,
+                                              backend="cpu")
+    if kernel_populates():
+        assert after_rotation - before >= q.nbytes - 2 * page
+        assert after_norm - after_rotation >= q.nbytes - 2 * page
+    assert_same(rotated, torch_eager.rotate(q, cos, sin, layout="half"))
+    assert_same(small, torch_eager.rotate(q[:, :1, :1024], cos[:, :, :1024], sin[:, :, :1024], layout="half"))
+    for got, want in zip(normed, in_place, strict=True):
+        assert_same(got, want)
 
 
 def all_16_bit_patterns(dtype):

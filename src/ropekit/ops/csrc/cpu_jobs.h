@@ -200,32 +200,91 @@ void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Te
     jobs.push_back(std::move(job));
 }
 
-// Rows of every job taken together ([0, total) = rows of job 0, then job 1, ...), split over
-// torch's threads when there are enough bytes to share.
-void run_jobs(const Jobs &jobs) {
+// Run rows [begin, end) of one job.
+inline void run_rows(const Job &j, int64_t begin, int64_t end) {
+    const int status = j.norm_fn ? j.norm_fn(j.x, j.out, j.cos, j.sin, &j.norm, j.params.data(), begin, end)
+                                 : j.fn(j.x, j.out, j.cos, j.sin, j.params.data(), begin, end);
+    TORCH_CHECK(status == 0, "ropekit_cpu: the kernel rejected its parameters (a bug in ropekit)");
+}
+
+// Every job's rows, split over torch's threads when there are enough bytes to share: the rows of
+// all jobs taken together ([0, total) = rows of job 0, then job 1, ...) cut into contiguous
+// ranges, one per thread. With each_job (jobs whose rows cost unlike amounts: keys rotated beside
+// values copied), a few jobs are instead each cut in equal shares, one per thread, so that no
+// thread is left with all the dearer rows.
+void run_jobs(const Jobs &jobs, bool each_job = false) {
     int64_t total = 0, bytes = 0;
     for (const Job &j : jobs) {
         total += j.rows;
         bytes += j.bytes;
     }
-    auto body = [&jobs](int64_t begin, int64_t end) {
+    if (total == 0) return;
+    const int64_t threads = at::get_num_threads();
+    if (bytes < parallel_min_bytes.load() || total < 2 || threads == 1) {  // no team to wake
+        for (const Job &j : jobs)
+            if (j.rows > 0) run_rows(j, 0, j.rows);
+        return;
+    }
+    if (each_job && static_cast<int64_t>(jobs.size()) < 2 * threads) {
+        at::parallel_for(0, threads, 1, [&jobs, threads](int64_t first, int64_t last) {
+            for (int64_t t = first; t < last; t++)
+                for (const Job &j : jobs) {
+                    const int64_t b = j.rows * t / threads, e = j.rows * (t + 1) / threads;
+                    if (b < e) run_rows(j, b, e);
+                }
+        });
+        return;
+    }
+    at::parallel_for(0, total, 1, [&jobs](int64_t begin, int64_t end) {
         int64_t base = 0;
         for (const Job &j : jobs) {
             const int64_t b = std::max<int64_t>(begin - base, 0), e = std::min<int64_t>(end - base, j.rows);
-            if (b < e) {
-                const int status = j.norm_fn ? j.norm_fn(j.x, j.out, j.cos, j.sin, &j.norm, j.params.data(), b, e)
-                                             : j.fn(j.x, j.out, j.cos, j.sin, j.params.data(), b, e);
-                TORCH_CHECK(status == 0, "ropekit_cpu: the kernel rejected its parameters (a bug in ropekit)");
-            }
+            if (b < e) run_rows(j, b, e);
             base += j.rows;
         }
+    });
+}
+
+// An output like x (what the out-of-place kernels write). From populate_min_bytes on, an output
+// the allocator has just mapped (its middle page not yet in memory: glibc maps every allocation
+// of 32 MiB or more afresh) gets its pages in one madvise(MADV_POPULATE_WRITE) per thread before
+// the kernel writes it. Otherwise the kernel's row streams take one page fault per 4 KiB page as
+// they reach it (16,384 for a 64 MiB output), about a fifth of an out-of-place call at one
+// thread. Memory the allocator reuses is already in place and is left alone; a kernel before
+// Linux 5.14 refuses the call and the pages fault as before. Either way the contents are the
+// kernel's to write: only when the pages arrive changes.
+#if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
+#define MADV_POPULATE_WRITE 23
+#endif
+std::atomic<int64_t> populate_min_bytes{int64_t(4) << 20};
+std::atomic<int64_t> populated_bytes_total{0};  // bytes populated so far (a test hook reads it)
+
+Tensor fresh_output(const Tensor &like) {
+    Tensor out = at::empty_like(like);
+#ifdef __linux__
+    const int64_t bytes = out.numel() * static_cast<int64_t>(out.element_size());
+    if (bytes < populate_min_bytes.load() || !out.is_contiguous()) return out;
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(out.data_ptr());
+    const uintptr_t first = (begin + page - 1) & ~(page - 1), last = (begin + bytes) & ~(page - 1);
+    if (last <= first + page) return out;
+    const int64_t pages = static_cast<int64_t>((last - first) / page);
+    unsigned char resident = 0;
+    void *middle = reinterpret_cast<void *>(first + static_cast<uintptr_t>(pages / 2) * page);
+    if (mincore(middle, page, &resident) != 0 || (resident & 1)) return out;
+    auto populate = [first, page](int64_t p0, int64_t p1) {
+        const size_t length = static_cast<size_t>(p1 - p0) * page;
+        if (madvise(reinterpret_cast<void *>(first + static_cast<uintptr_t>(p0) * page), length,
+                    MADV_POPULATE_WRITE) == 0)  // refused: the pages fault as before
+            populated_bytes_total += static_cast<int64_t>(length);
     };
-    if (total == 0) return;
-    if (bytes < parallel_min_bytes.load() || total < 2 || at::get_num_threads() == 1) {  // no team to wake
-        body(0, total);
+    if (at::get_num_threads() == 1) {
+        populate(0, pages);
     } else {
-        at::parallel_for(0, total, 1, body);
+        at::parallel_for(0, pages, 256, populate);
     }
+#endif
+    return out;
 }
 
 int64_t flags_of(bool interleaved, bool conjugate, bool copy_tail) {

@@ -94,7 +94,7 @@ void norm_rotate_into(const Tensor &q, const Tensor &q_out, const c10::optional<
 Tensor rms_norm_rotate(const Tensor &x, const c10::optional<Tensor> &weight, const Tensor &cos, const Tensor &sin,
                        double eps, double offset, bool per_token, bool interleaved) {
     const Tensor x_in = unit_channels(x);
-    Tensor out = at::empty_like(x_in);
+    Tensor out = fresh_output(x_in);
     norm_rotate_into(x_in, out, weight, Tensor(), Tensor(), c10::nullopt, cos, sin, eps, offset, per_token,
                      interleaved);
     return out;
@@ -105,7 +105,7 @@ std::tuple<Tensor, Tensor> rms_norm_rotate_pair(const Tensor &q, const Tensor &k
                                                 const Tensor &sin, double eps, double offset, bool per_token,
                                                 bool interleaved) {
     const Tensor q_in = unit_channels(q), k_in = unit_channels(k);
-    Tensor q_out = at::empty_like(q_in), k_out = at::empty_like(k_in);
+    Tensor q_out = fresh_output(q_in), k_out = fresh_output(k_in);
     norm_rotate_into(q_in, q_out, q_weight, k_in, k_out, k_weight, cos, sin, eps, offset, per_token, interleaved);
     return {q_out, k_out};
 }
@@ -172,7 +172,7 @@ std::tuple<Tensor, Tensor> rms_norm_rotate_backward(const Tensor &grad, const Te
         grad_in = at::empty_strided(x_in.sizes(), x_in.strides(), x_in.options());
         grad_in.copy_(grad);
     }
-    Tensor grad_x = at::empty_like(x_in);
+    Tensor grad_x = fresh_output(x_in);
     const Norm norm = make_norm(x_in, weight, eps, offset, token_head_axis(x_in, per_token));
     Jobs jobs;
     add_jobs(x_in, grad_x, cos, sin, flags_of(interleaved, false, false), jobs, &norm.spec, /*plan=*/false);
@@ -309,7 +309,7 @@ void rotate_into_cache(const Tensor &k, const Tensor &v, const Tensor &cos, cons
             t += n;
         }
     }
-    run_jobs(jobs);
+    run_jobs(jobs, /*each_job=*/true);  // keys cost more per row than values
     k_cache.unsafeGetTensorImpl()->bump_version();
     v_cache.unsafeGetTensorImpl()->bump_version();
 }

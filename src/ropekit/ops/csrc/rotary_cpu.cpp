@@ -41,6 +41,11 @@
 #include <tuple>
 #include <vector>
 
+#ifdef __linux__
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
 #include "rotary_rows.h"
 
 #ifndef ROPEKIT_CPU_NAMESPACE
@@ -60,7 +65,7 @@ namespace {
 // like a strided x, whose channels the kernel would otherwise write as if they were contiguous.
 Tensor rotate(const Tensor &x, const Tensor &cos, const Tensor &sin, bool interleaved, bool conjugate) {
     const Tensor x_in = unit_channels(x);
-    Tensor out = at::empty_like(x_in);
+    Tensor out = fresh_output(x_in);
     Jobs jobs;
     add_jobs(x_in, out, cos, sin, flags_of(interleaved, conjugate, true), jobs);
     run_jobs(jobs);
@@ -70,7 +75,7 @@ Tensor rotate(const Tensor &x, const Tensor &cos, const Tensor &sin, bool interl
 std::tuple<Tensor, Tensor> rotate_pair(const Tensor &q, const Tensor &k, const Tensor &cos, const Tensor &sin,
                                        bool interleaved, bool conjugate) {
     const Tensor q_in = unit_channels(q), k_in = unit_channels(k);
-    Tensor q_out = at::empty_like(q_in), k_out = at::empty_like(k_in);
+    Tensor q_out = fresh_output(q_in), k_out = fresh_output(k_in);
     const int64_t flags = flags_of(interleaved, conjugate, true);
     Jobs jobs;
     add_jobs(q_in, q_out, cos, sin, flags, jobs);
@@ -99,14 +104,17 @@ void rotate_(const Tensor &x, const Tensor &cos, const Tensor &sin, bool interle
     rotate_pair_(x, Tensor(), cos, sin, interleaved, conjugate);
 }
 
-// Test hooks: the thresholds (returns the previous ones; -1 keeps a value) and the visiting order
-// of rows given sizes and the strides of x, out, cos and sin: [n, sizes..., x strides..., ...].
+// Test hooks: the thresholds (returns the previous ones; -1 keeps a value), the bytes of fresh
+// outputs populated so far (fresh_output) and the visiting order of rows given sizes and the
+// strides of x, out, cos and sin: [n, sizes..., x strides..., ...].
 std::vector<int64_t> set_thresholds(int64_t plan_bytes, int64_t parallel_bytes) {
     std::vector<int64_t> previous{plan_min_bytes.load(), parallel_min_bytes.load()};
     if (plan_bytes >= 0) plan_min_bytes = plan_bytes;
     if (parallel_bytes >= 0) parallel_min_bytes = parallel_bytes;
     return previous;
 }
+
+int64_t populated_bytes() { return populated_bytes_total.load(); }
 
 std::vector<int64_t> plan_rows(at::IntArrayRef sizes, at::IntArrayRef x_strides, at::IntArrayRef out_strides,
                                at::IntArrayRef cos_strides, at::IntArrayRef sin_strides) {
@@ -143,6 +151,7 @@ ROPEKIT_LIBRARY(ROPEKIT_CPU_NAMESPACE, m) {
           "Tensor? slots, int start, Tensor? k_weight, float? eps, float weight_offset, bool per_token, "
           "int block_size, bool interleaved) -> ()");
     m.def("set_thresholds(int plan_bytes, int parallel_bytes) -> int[]", &set_thresholds);
+    m.def("populated_bytes() -> int", &populated_bytes);
     m.def("plan_rows(int[] sizes, int[] x_strides, int[] out_strides, int[] cos_strides, int[] sin_strides) -> int[]",
           &plan_rows);
 }
