@@ -5,7 +5,9 @@ alike), at every thread count asked for; ratios are computed from the medians of
 
     prefill  q, k (1, 32, 4096, 128): ropekit.rms_norm_rotary_qk (out of place, in place) against
              F.rms_norm of q and k then ropekit.apply_rotary_qk (the unfused composition), and
-             against the floors x.clone() (out of place) and x.mul_(1.0) (in place) of q and k
+             against the floors x.clone() (out of place) and x.mul_(1.0) (in place) of q and k;
+             also out of place with the kernel's populating of fresh outputs turned off (their
+             pages then fault in one by one, as clone's do)
     decode   k, v (16, 32, 1, 128) into caches (16, 32, 1024, 128): ropekit.rotate_into_cache
              against ropekit.apply_rotary then two slice copies into the caches (rotate-then-copy),
              every call at the next slot as decoding writes them (and, apart, always the same
@@ -57,17 +59,28 @@ def prefill(dtype: torch.dtype, repeats: int) -> dict:
     inv_freq, _ = ropekit.inv_frequencies(128, base=1e6)
     cos, sin = ropekit.cos_sin(torch.arange(4096), inv_freq)
     cos, sin = cos[None, None], sin[None, None]
+    hooks = ropekit.ops.get("cpu").operators()
+
+    def pages_faulted_in():  # the fused call with its fresh output's pages faulted in one by one
+        old = hooks.set_populate_bytes(2**62)
+        try:
+            return ropekit.rms_norm_rotary_qk(q, k, wq, wk, cos, sin, eps=1e-6)
+        finally:
+            hooks.set_populate_bytes(old)
+
     t = measure({
         "clone": lambda: (q.clone(), k.clone()),
         "mul_": lambda: (q.mul_(1.0), k.mul_(1.0)),
         "unfused": lambda: ropekit.apply_rotary_qk(F.rms_norm(q, (128,), wq, 1e-6), F.rms_norm(k, (128,), wk, 1e-6),
                                                    cos, sin),
         "fused": lambda: ropekit.rms_norm_rotary_qk(q, k, wq, wk, cos, sin, eps=1e-6),
+        "fused, pages faulted in": pages_faulted_in,
         "fused in place": lambda: ropekit.rms_norm_rotary_qk(q, k, wq, wk, cos, sin, eps=1e-6, inplace=True),
     }, repeats)
     return {"ms": {n: 1e3 * v[0] for n, v in t.items()}, "spread_pct": {n: v[1] for n, v in t.items()},
             "fused_speedup_over_unfused": t["unfused"][0] / t["fused"][0],
             "fused_vs_clone": t["clone"][0] / t["fused"][0],
+            "fused_pages_faulted_in_vs_clone": t["clone"][0] / t["fused, pages faulted in"][0],
             "fused_in_place_vs_mul_": t["mul_"][0] / t["fused in place"][0]}
 
 

@@ -105,8 +105,9 @@ void rotate_(const Tensor &x, const Tensor &cos, const Tensor &sin, bool interle
 }
 
 // Test hooks: the thresholds (returns the previous ones; -1 keeps a value), the bytes of fresh
-// outputs populated so far (fresh_output) and the visiting order of rows given sizes and the
-// strides of x, out, cos and sin: [n, sizes..., x strides..., ...].
+// outputs populated so far and the size from which they are (fresh_output; returns the previous
+// one), and the visiting order of rows given sizes and the strides of x, out, cos and sin:
+// [n, sizes..., x strides..., ...].
 std::vector<int64_t> set_thresholds(int64_t plan_bytes, int64_t parallel_bytes) {
     std::vector<int64_t> previous{plan_min_bytes.load(), parallel_min_bytes.load()};
     if (plan_bytes >= 0) plan_min_bytes = plan_bytes;
@@ -115,6 +116,8 @@ std::vector<int64_t> set_thresholds(int64_t plan_bytes, int64_t parallel_bytes) 
 }
 
 int64_t populated_bytes() { return populated_bytes_total.load(); }
+
+int64_t set_populate_bytes(int64_t min_bytes) { return populate_min_bytes.exchange(min_bytes); }
 
 std::vector<int64_t> plan_rows(at::IntArrayRef sizes, at::IntArrayRef x_strides, at::IntArrayRef out_strides,
                                at::IntArrayRef cos_strides, at::IntArrayRef sin_strides) {
@@ -152,6 +155,7 @@ ROPEKIT_LIBRARY(ROPEKIT_CPU_NAMESPACE, m) {
           "int block_size, bool interleaved) -> ()");
     m.def("set_thresholds(int plan_bytes, int parallel_bytes) -> int[]", &set_thresholds);
     m.def("populated_bytes() -> int", &populated_bytes);
+    m.def("set_populate_bytes(int min_bytes) -> int", &set_populate_bytes);
     m.def("plan_rows(int[] sizes, int[] x_strides, int[] out_strides, int[] cos_strides, int[] sin_strides) -> int[]",
           &plan_rows);
 }
