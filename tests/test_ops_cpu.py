@@ -242,12 +242,11 @@ def kernel_populates() -> bool:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_large_fresh_outputs_are_populated_first_and_hold_the_same_values(threads):
-    """Out-of-place outputs of 4 MiB and more that the allocator maps afresh (glibc maps every
-    allocation over 32 MiB anew) get their pages before the kernel writes them, in one call per
-    thread; smaller outputs do not. Either way the values are those of the other paths."""
+def test_large_outputs_hold_the_same_values_populated_or_not(threads):
+    """Out-of-place outputs of 4 MiB and more may get their pages in one call before the kernel
+    writes them (fresh memory only); with the hook off, or below 4 MiB, they never do. The values
+    are the same either way, and equal the eager kernel's and the in-place path's."""
     hooks = KERNEL["backend"].operators()
-    page = os.sysconf("SC_PAGE_SIZE")
     gen = torch.Generator().manual_seed(21)
     q = torch.randn(1, 16, 4352, 128, generator=gen)  # 34 MiB
     k = torch.randn(1, 4, 4352, 128, generator=gen)
@@ -255,30 +254,68 @@ def test_large_fresh_outputs_are_populated_first_and_hold_the_same_values(thread
     cos, sin = ropekit.cos_sin(torch.arange(4352), ropekit.inv_frequencies(128)[0])
     cos, sin = cos[None, None], sin[None, None]
     with torch_threads(threads):
-        before = hooks.populated_bytes()
         rotated = native(q, cos, sin, layout="half")
-        after_rotation = hooks.populated_bytes()
         normed = ropekit.rms_norm_rotary_qk(q, k, w, w, cos, sin, eps=1e-6, backend="cpu")
-        after_norm = hooks.populated_bytes()
+        before = hooks.populated_bytes()
         small = native(q[:, :1, :1024], cos[:, :, :1024], sin[:, :, :1024], layout="half")  # 512 KiB
-        assert hooks.populated_bytes() == after_norm
+        assert hooks.populated_bytes() == before
         in_place = ropekit.rms_norm_rotary_qk(q.clone(), k.clone(), w, w, cos, sin, eps=1e-6, inplace=True,
                                               backend="cpu")
-    if kernel_populates():
-        assert after_rotation - before >= q.nbytes - 2 * page
-        assert after_norm - after_rotation >= q.nbytes - 2 * page
+        old = hooks.set_populate_bytes(2**62)  # turned off: the pages fault in as the kernel writes
+        try:
+            faulted = native(q, cos, sin, layout="half")
+            faulted_normed = ropekit.rms_norm_rotary_qk(q, k, w, w, cos, sin, eps=1e-6, backend="cpu")
+            assert hooks.populated_bytes() == before
+        finally:
+            hooks.set_populate_bytes(old)
     assert_same(rotated, torch_eager.rotate(q, cos, sin, layout="half"))
     assert_same(small, torch_eager.rotate(q[:, :1, :1024], cos[:, :, :1024], sin[:, :, :1024], layout="half"))
-    for got, want in zip(normed, in_place, strict=True):
-        assert_same(got, want)
-    old = hooks.set_populate_bytes(2**62)  # turned off: the pages fault in as the kernel writes
-    try:
-        before = hooks.populated_bytes()
-        faulted = native(q, cos, sin, layout="half")
-        assert hooks.populated_bytes() == before
-    finally:
-        hooks.set_populate_bytes(old)
     assert_same(faulted, rotated)
+    for got, off, want in zip(normed, faulted_normed, in_place, strict=True):
+        assert_same(got, want)
+        assert_same(off, want)
+
+
+POPULATE_SCRIPT = r"""
+import os, sys, torch, ropekit
+from ropekit import ops
+hooks = ops.get("cpu").operators()
+page = os.sysconf("SC_PAGE_SIZE")
+q = torch.randn(1, 16, 1024, 128, requires_grad=True)  # 8 MiB
+k = torch.randn(1, 4, 1024, 128)  # 2 MiB: under the 4 MiB threshold
+w = torch.randn(128)
+cos, sin = ropekit.cos_sin(torch.arange(1024), ropekit.inv_frequencies(128)[0])
+cos, sin = cos[None, None], sin[None, None]
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    steps = []
+    before = hooks.populated_bytes()
+    with torch.no_grad():
+        ropekit.apply_rotary(q, cos, sin, backend="cpu")
+    steps.append(hooks.populated_bytes() - before)
+    before = hooks.populated_bytes()
+    with torch.no_grad():
+        ropekit.rms_norm_rotary_qk(q, k, w, w, cos, sin, eps=1e-6, backend="cpu")
+    steps.append(hooks.populated_bytes() - before)
+    out = ropekit.rms_norm_rotary(q, None, cos, sin, eps=1e-6, backend="cpu")
+    before = hooks.populated_bytes()
+    out.backward(torch.ones_like(out))  # the gradient of q: a fresh 8 MiB output
+    steps.append(hooks.populated_bytes() - before)
+    q.grad = None
+    want = q.numel() * 4 - 2 * page
+    if not all(want <= step <= q.numel() * 4 for step in steps):
+        sys.exit(f"threads {threads}: populated {steps}, want each in [{want}, {q.numel() * 4}]")
+"""
+
+
+@pytest.mark.skipif(not kernel_populates(), reason="needs Linux 5.14 or later (MADV_POPULATE_WRITE)")
+def test_fresh_large_outputs_are_populated_in_one_call(tmp_path):
+    """In a process whose allocator maps every allocation of 1 MiB or more afresh (glibc's
+    MALLOC_MMAP_THRESHOLD_), each out-of-place output of 4 MiB or more (rotation, fused norm and
+    rotation, the fused backward's gradient) is populated, at 1 and 2 threads, and a 2 MiB one
+    is not."""
+    result = run_script(tmp_path, POPULATE_SCRIPT, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def all_16_bit_patterns(dtype):
