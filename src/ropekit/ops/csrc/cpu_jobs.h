@@ -247,12 +247,13 @@ void run_jobs(const Jobs &jobs, bool each_job = false) {
 
 // An output like x (what the out-of-place kernels write). From populate_min_bytes on, an output
 // the allocator has just mapped (its middle page not yet in memory: glibc maps every allocation
-// of 32 MiB or more afresh) gets its pages in one madvise(MADV_POPULATE_WRITE) per thread before
-// the kernel writes it. Otherwise the kernel's row streams take one page fault per 4 KiB page as
-// they reach it (16,384 for a 64 MiB output), about a fifth of an out-of-place call at one
-// thread. Memory the allocator reuses is already in place and is left alone; a kernel before
-// Linux 5.14 refuses the call and the pages fault as before. Either way the contents are the
-// kernel's to write: only when the pages arrive changes.
+// over 32 MiB afresh) gets its pages in one madvise(MADV_POPULATE_WRITE) per thread before the
+// kernel writes it. Otherwise the kernel's row streams take one page fault per 4 KiB page as they
+// reach it (16,384 for a 64 MiB output), 4-5 ms more at one thread than the one call (bfloat16
+// q and k of (1, 32, 4096, 128): 37 ms against 32 ms; benchmarks/fused.py). Memory the allocator
+// reuses is already in place and is left alone; a kernel before Linux 5.14 refuses the call and
+// the pages fault as before. Either way the contents are the kernel's to write: only when the
+// pages arrive changes.
 #if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
 #define MADV_POPULATE_WRITE 23
 #endif
