@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import probe_figures
-from .report_html import esc, figure, num, page, table
+from .report_html import drawn_figure, esc, num, page, table
 
 PAPER = ("Barbero et al. 2024, <i>Round and Round We Go! What makes Rotary Positional Encodings useful?</i>, "
          "arXiv:2410.06205")
@@ -24,14 +24,7 @@ class _Page:
         self.can_plot = figures and importlib.util.find_spec("matplotlib") is not None
 
     def figure(self, name: str, draw: Callable[[], bytes | list[bytes]], caption: str, alt: str) -> str:
-        if not self.can_plot:
-            return (f'<p class="muted">[Figure left out: matplotlib is not installed; <code>pip install '
-                    f"'ropekit[report]'</code> draws it.] {caption}</p>")
-        png = draw()
-        panels = [png] if isinstance(png, bytes) else png
-        names = [f"{name}.png"] if len(panels) == 1 else [f"{name}-{k + 1}.png" for k in range(len(panels))]
-        self.files.update(zip(names, panels, strict=True))
-        return figure(names, caption, alt)
+        return drawn_figure(self.files, self.can_plot, name, draw, caption, alt)
 
     def pairing(self) -> None:
         pairing = self.doc["pairing"]

@@ -22,7 +22,7 @@ from .. import files
 from ..rope.analysis import decay_bound, describe, similarity_margin
 from . import figures
 from .experiments import attention_vs_distance, scaling_comparison, sinusoidal_terms
-from .report_html import esc, figure, num, page, table
+from .report_html import drawn_figure, esc, num, page, table
 from .report_multiaxis import add_section as add_multiaxis_section
 from .report_speed import speed_section
 
@@ -74,14 +74,7 @@ class _Report:
 
         Without matplotlib (``pip install 'ropekit[report]'``) the page says so in place of the figure.
         """
-        if not self.can_plot:
-            return (f'<p class="muted">[Figure left out: matplotlib is not installed; <code>pip install '
-                    f"'ropekit[report]'</code> draws it.] {caption}</p>")
-        png = draw()
-        panels = [png] if isinstance(png, bytes) else png
-        names = [f"{name}.png"] if len(panels) == 1 else [f"{name}-{k + 1}.png" for k in range(len(panels))]
-        self.files.update(zip(names, panels, strict=True))
-        return figure(names, caption, alt)
+        return drawn_figure(self.files, self.can_plot, name, draw, caption, alt)
 
     # -- sections -----------------------------------------------------------------------------------
 

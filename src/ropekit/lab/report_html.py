@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 CSS = """
@@ -155,6 +155,23 @@ def figure(sources: Sequence[str], caption: str, alt: str) -> str:
     if len(sources) > 1:
         images = f'<div class="panels">{images}</div>'
     return f"<figure>{images}<figcaption>{caption}</figcaption></figure>"
+
+
+def drawn_figure(files: dict[str, bytes], can_plot: bool, name: str, draw: Callable[[], bytes | list[bytes]],
+                 caption: str, alt: str) -> str:
+    """Draw, keep the PNG(s) in ``files`` as ``name.png`` (or ``name-1.png``, ...) and return the ``<figure>``.
+
+    Without matplotlib (``can_plot`` false; ``pip install 'ropekit[report]'``) nothing is drawn and
+    the page says so in place of the figure.
+    """
+    if not can_plot:
+        return (f'<p class="muted">[Figure left out: matplotlib is not installed; <code>pip install '
+                f"'ropekit[report]'</code> draws it.] {caption}</p>")
+    png = draw()
+    panels = [png] if isinstance(png, bytes) else png
+    names = [f"{name}.png"] if len(panels) == 1 else [f"{name}-{k + 1}.png" for k in range(len(panels))]
+    files.update(zip(names, panels, strict=True))
+    return figure(names, caption, alt)
 
 
 def page(title: str, intro: str, sections: Sequence[tuple[str, str, str]], footer: str) -> str:

@@ -20,10 +20,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from ..validation import check_hidden_states, check_positions, positive_int, resolve_head_dim
-from .attention import _SDPA_HAS_GQA, attention_bias_mask
+from ..validation import check_hidden_states, check_positions, positive_int
+from .attention import _SDPA_HAS_GQA, HeadedAttention, attention_bias_mask
 from .kv_cache import KVCache
 
 
@@ -56,7 +55,7 @@ def alibi_bias(slopes: torch.Tensor, query_positions: torch.Tensor, key_position
     return -slopes.to(torch.float64).reshape(-1, 1, 1) * distance.unsqueeze(-3)
 
 
-class ALiBiSelfAttention(nn.Module):
+class ALiBiSelfAttention(HeadedAttention):
     r"""Multi-head self-attention with ALiBi biases (no rotary or absolute position embedding).
 
     .. math::
@@ -92,32 +91,9 @@ class ALiBiSelfAttention(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        self.embed_dim = positive_int(embed_dim, "embed_dim")
-        self.num_heads = positive_int(num_heads, "num_heads")
-        self.num_kv_heads = num_heads if num_kv_heads is None else positive_int(num_kv_heads, "num_kv_heads")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
-        self.head_dim = resolve_head_dim(self.embed_dim, self.num_heads, head_dim)
-        for name, flag in (("causal", causal), ("bias", bias)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
-        self.causal, self.dropout = causal, float(dropout)
+        self._init_geometry(embed_dim, num_heads, num_kv_heads, head_dim, causal, bias, dropout)
         self.slopes = alibi_slopes(self.num_heads)
-        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(self.embed_dim, q_width, bias=bias)
-        self.k_proj = nn.Linear(self.embed_dim, kv_width, bias=bias)
-        self.v_proj = nn.Linear(self.embed_dim, kv_width, bias=bias)
-        self.o_proj = nn.Linear(q_width, self.embed_dim, bias=bias)
-
-    def extra_repr(self) -> str:
-        """The constructor arguments shown by ``repr(module)``."""
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, causal={self.causal}, dropout={self.dropout}")
-
-    def _split_heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
-        return t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)
+        self._init_projections(bias)
 
     def _positions(self, batch: int, seq: int, positions: torch.Tensor | None, past: int,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -96,7 +96,52 @@ def attention_bias_mask(
     return mask, False
 
 
-class RotarySelfAttention(nn.Module):
+class HeadedAttention(nn.Module):
+    """The parts ropekit's self-attention modules share.
+
+    The head geometry (checked), the four projections, ``repr`` and the split into heads;
+    subclasses add the positions (RoPE, ALiBi).
+    """
+
+    def _init_geometry(self, embed_dim: int, num_heads: int, num_kv_heads: int | None, head_dim: int | None,
+                       causal: bool, bias: bool, dropout: float) -> None:
+        """Check and keep the geometry and options (``bias`` is checked here, used by :meth:`_init_projections`)."""
+        self.embed_dim = positive_int(embed_dim, "embed_dim")
+        self.num_heads = positive_int(num_heads, "num_heads")
+        self.num_kv_heads = num_heads if num_kv_heads is None else positive_int(num_kv_heads, "num_kv_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        self.head_dim = resolve_head_dim(self.embed_dim, self.num_heads, head_dim)
+        for name, flag in (("causal", causal), ("bias", bias)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+        self.causal = causal
+        self.dropout = float(dropout)
+
+    def _init_projections(self, bias: bool) -> None:
+        """``q_proj``, ``k_proj``, ``v_proj`` (``embed_dim -> heads * head_dim``) and ``o_proj`` back."""
+        q_width = self.num_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(self.embed_dim, q_width, bias=bias)
+        self.k_proj = nn.Linear(self.embed_dim, kv_width, bias=bias)
+        self.v_proj = nn.Linear(self.embed_dim, kv_width, bias=bias)
+        self.o_proj = nn.Linear(q_width, self.embed_dim, bias=bias)
+
+    def extra_repr(self) -> str:
+        """The constructor arguments shown by ``repr(module)``."""
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, causal={self.causal}, dropout={self.dropout}"
+        )
+
+    def _split_heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        """``(batch, seq, heads*d)`` -> ``(batch, heads, seq, d)``."""
+        return t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)
+
+
+class RotarySelfAttention(HeadedAttention):
     r"""Multi-head self-attention with rotary position embedding and grouped-query heads.
 
     .. math::
@@ -148,37 +193,9 @@ class RotarySelfAttention(nn.Module):
         rope: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
-        self.embed_dim = positive_int(embed_dim, "embed_dim")
-        self.num_heads = positive_int(num_heads, "num_heads")
-        self.num_kv_heads = num_heads if num_kv_heads is None else positive_int(num_kv_heads, "num_kv_heads")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
-        self.head_dim = resolve_head_dim(self.embed_dim, self.num_heads, head_dim)
-        for name, flag in (("causal", causal), ("bias", bias)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
-        self.causal = causal
-        self.dropout = float(dropout)
+        self._init_geometry(embed_dim, num_heads, num_kv_heads, head_dim, causal, bias, dropout)
         self.rope = build_rope(self.head_dim, rope, rotary_dim=rotary_dim, base=base, layout=layout, scaling=scaling)
-        q_width = self.num_heads * self.head_dim
-        kv_width = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(self.embed_dim, q_width, bias=bias)
-        self.k_proj = nn.Linear(self.embed_dim, kv_width, bias=bias)
-        self.v_proj = nn.Linear(self.embed_dim, kv_width, bias=bias)
-        self.o_proj = nn.Linear(q_width, self.embed_dim, bias=bias)
-
-    def extra_repr(self) -> str:
-        """The constructor arguments shown by ``repr(module)``."""
-        return (
-            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, causal={self.causal}, dropout={self.dropout}"
-        )
-
-    def _split_heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
-        """``(batch, seq, heads*d)`` -> ``(batch, heads, seq, d)``."""
-        return t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)
+        self._init_projections(bias)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool):
         dropout_p = self.dropout if self.training else 0.0
