@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from fs_step_helpers import Killed, stop_after
 from probe_helpers import PROMPT, direct_statistics, tiny_model_dir
 from ropekit import files
 from ropekit.cli.entry import main
@@ -136,10 +137,6 @@ def test_bad_input_is_one_line_and_exit_code_2(llama, tmp_path, capsys):
     assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
 
 
-class Killed(Exception):
-    pass
-
-
 def test_the_output_folder_is_the_old_one_or_the_new_one_whatever_step_fails(llama, tmp_path, monkeypatch):
     """Writing is stopped before each file-system step in turn: the folder holds the old outputs, whole, or the new."""
     loaded = load_model_dir(llama)
@@ -157,14 +154,7 @@ def test_the_output_folder_is_the_old_one_or_the_new_one_whatever_step_fails(lla
     for n in range(len(steps)):
         monkeypatch.setattr(files, "fs_step", lambda action, path: None)
         lab_probe.write_outputs(out, dict(documents["old"]), figures=False)
-        count = [0]
-
-        def step(action, path, n=n, count=count):
-            count[0] += 1
-            if count[0] > n:
-                raise Killed
-
-        monkeypatch.setattr(files, "fs_step", step)
+        stop_after(monkeypatch, n)
         with pytest.raises(Killed):
             lab_probe.write_outputs(out, dict(documents["new"]), figures=False)
         monkeypatch.setattr(files, "fs_step", lambda action, path: None)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fs_step_helpers import stop_after
 from ropekit.cli.entry import main
 from ropekit.lab import bench_rows, report_html, report_speed
 from ropekit.lab import report as report_module
@@ -176,14 +177,7 @@ def test_write_report_is_all_or_nothing_at_every_step(tmp_path, monkeypatch):
     assert content() == new and len(steps) >= 4
     for stop in range(1, len(steps) + 1):
         reset()
-        seen = []
-
-        def interrupt(action, path, stop=stop, seen=seen):
-            seen.append(action)
-            if len(seen) == stop:
-                raise KeyboardInterrupt(action)
-
-        monkeypatch.setattr(files_module, "fs_step", interrupt)
+        stop_after(monkeypatch, stop - 1, KeyboardInterrupt(steps[stop - 1]))
         with pytest.raises(KeyboardInterrupt):
             report_module.write_report(out, None, "x")
         assert content() in (old, new), (stop, steps[stop - 1])

@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from fs_step_helpers import Killed, stop_after
 from probe_helpers import tiny_model_dir
 from ropekit import files
 from ropekit.lab import smollm2, smollm2_cache
@@ -128,10 +129,6 @@ def test_the_directory_is_built_once_and_checked(tmp_path, fake_sources, capsys)
         smollm2_cache.cached_hf_dir(cache)
 
 
-class Killed(Exception):
-    pass
-
-
 def test_a_build_stopped_at_any_step_leaves_no_directory_or_a_whole_one(tmp_path, fake_sources, monkeypatch):
     """Stopped before each file-system step in turn (as by a kill): no directory, or one that passes its manifest."""
     cache = tmp_path / "cache"
@@ -143,14 +140,7 @@ def test_a_build_stopped_at_any_step_leaves_no_directory_or_a_whole_one(tmp_path
     for n in range(total):
         for item in cache.iterdir():
             files.shutil.rmtree(item)
-        count = [0]
-
-        def step(action, path, n=n, count=count):
-            count[0] += 1
-            if count[0] > n:
-                raise Killed
-
-        monkeypatch.setattr(files, "fs_step", step)
+        stop_after(monkeypatch, n)
         with pytest.raises(Killed):
             smollm2_cache.build_hf_dir(cache, quiet=True)
         monkeypatch.setattr(files, "fs_step", lambda action, path: None)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit import files
+from fs_step_helpers import Killed, stop_after
 from ropekit.cli import extrapolate as cli_extrapolate
 from ropekit.cli import train as cli_train
 from ropekit.lab import charlm, extrapolate, train
@@ -251,25 +251,13 @@ def test_console_script_train(tmp_path):
 # -- consistency of an output folder after an interruption ------------------------------------------
 
 
-class Killed(BaseException):
-    """Stands in for SIGKILL: raised before a file-system change, caught by no ``except`` in the verbs."""
-
-
 def kill_before_change(patch: pytest.MonkeyPatch, n: int) -> None:
     """Raise :class:`Killed` instead of the ``n``-th change to a visible file: a replace into it or its removal.
 
-    ``tools.files.fs_step`` is called before every file-system step; the steps inside a hidden
-    staging directory change nothing a reader sees, so a kill there equals a kill before the replace.
+    The steps inside a hidden staging directory change nothing a reader sees, so a kill there
+    equals a kill before the replace.
     """
-    count = [0]
-
-    def step(action, path):
-        if action in ("replace", "unlink"):
-            count[0] += 1
-            if count[0] > n:
-                raise Killed
-
-    patch.setattr(files, "fs_step", step)
+    stop_after(patch, n, actions=("replace", "unlink"))
 
 
 VERBS = {"train": (train, "results.json"), "extrapolate": (extrapolate, "extrapolation.json")}
