@@ -5,6 +5,12 @@ the kernel entry the transformers integration calls), runs the comparison the in
 assert (tests/model_compare.py) against the unpatched model, and asserts that it reports a
 mismatch. A mutation that RoPE itself cannot see (every position shifted alike: only relative
 positions matter) must pass, which shows the comparison is not failing for unrelated reasons.
+
+The xPos and ALiBi modules are checked the same way with the comparisons of tests/test_nn_xpos.py
+and tests/test_nn_alibi.py (their ``*_mismatch`` functions over their ``*_CASES``): for each
+mutation the set of comparisons that fail is asserted exactly, so a comparison that stops seeing
+a mutation fails here, and one that sees a mutation it cannot (a uniform shift of the positions,
+invisible to every score) fails too.
 """
 
 import pytest
@@ -13,10 +19,16 @@ import torch
 pytest.importorskip("transformers")
 
 import ropekit.integrations.transformers as integ  # noqa: E402
+import ropekit.nn.alibi as alibi_module  # noqa: E402
+import ropekit.nn.rotary as rotary_module  # noqa: E402
+import ropekit.nn.xpos as xpos_module  # noqa: E402
 import test_integration_fused as fused  # noqa: E402
 import test_integration_transformers as plain  # noqa: E402
+import test_nn_alibi as alibi_tests  # noqa: E402
+import test_nn_xpos as xpos_tests  # noqa: E402
 from model_compare import bfloat16_mismatch, logits_mismatch  # noqa: E402
 from ropekit.integrations.transformers import patch, unpatch  # noqa: E402
+from ropekit.nn import ALiBiSelfAttention, XPosEmbedding  # noqa: E402
 
 OTHER_LAYOUT = {"half": "interleaved", "interleaved": "half"}
 
@@ -143,3 +155,145 @@ def test_fused_bfloat16_comparison_detects_each_mutation(monkeypatch, mutation):
         finally:
             unpatch(model)
     assert bfloat16_mismatch(out, ref, exact) is not None, f"{mutation} went unnoticed in bfloat16"
+
+
+# -- xPos and ALiBi modules: each mutation against the comparisons of test_nn_xpos / test_nn_alibi ----------
+
+def over(cases, comparison):
+    """Whether ``comparison`` reports a mismatch for any of ``cases`` (a test parametrized by them fails)."""
+    return any(comparison(*case) is not None for case in cases)
+
+
+def xpos_checks():
+    """name -> whether the comparison of tests/test_nn_xpos.py fails over its fixed cases."""
+    return {"formula": over(xpos_tests.FORMULA_CASES, xpos_tests.formula_mismatch),
+            "rotary-embedding-torch": over(xpos_tests.PEER_CASES, xpos_tests.peer_mismatch),
+            "distance only": over(xpos_tests.SHIFT_CASES, xpos_tests.shift_mismatch)}
+
+
+def alibi_checks():
+    """name -> whether the comparison of tests/test_nn_alibi.py fails over its fixed cases."""
+    return {"slopes": over([(h,) for h in alibi_tests.SLOPE_HEADS], alibi_tests.slopes_mismatch),
+            "bias": over(alibi_tests.BIAS_CASES, alibi_tests.bias_mismatch),
+            "attention": over(alibi_tests.ATTENTION_CASES, alibi_tests.attention_mismatch),
+            "distance only": over(alibi_tests.SHIFT_CASES, alibi_tests.shift_mismatch)}
+
+
+def scale_positions(change):
+    """XPosEmbedding's scale exponents computed at ``change(positions)``."""
+    def wrap(real):
+        def call(self, positions):
+            return real(self, change(positions))
+        return call
+    return wrap
+
+
+def keys_scaled_like_queries(real):
+    """Keys multiplied by zeta^(+(m-c)/B), the queries' factor, instead of its reciprocal."""
+    def call(self, x, positions, offset, seq_dim, key):
+        return real(self, x, positions, offset, seq_dim, False)
+    return call
+
+
+def scale_base_doubled(real):
+    """Exponents (n - c) / (2B): the decay of a scale base twice the paper's."""
+    def call(self, positions):
+        return real(self, positions) / 2
+    return call
+
+
+def zeta_from_i_over_d(real):
+    """zeta_i = (i/d + gamma) / (1 + gamma) (pair index over the channels, not 2i/d)."""
+    def call(rotary_dim, gamma=0.4):
+        return real(2 * rotary_dim, gamma)[: rotary_dim // 2]
+    return call
+
+
+ROTATION_ENTRIES = ("rotate", "rotate_qk", "apply_rotary", "apply_rotary_qk")  # what RotaryEmbedding calls
+
+# name -> ([(owner, attribute), ...] replaced, mutation, the xPos comparisons expected to fail)
+ALL_XPOS = {"formula", "rotary-embedding-torch", "distance only"}
+XPOS_MUTATIONS = {
+    "swapped pairing": ([(rotary_module, n) for n in ROTATION_ENTRIES], swapped_pairing, ALL_XPOS),
+    "zeta reversed across pairs": ([(xpos_module, "xpos_zeta")], lambda real: lambda *a, **k: real(*a, **k).flip(0),
+                                   ALL_XPOS),
+    "base x1000": ([(rotary_module, "cos_sin")], base_times_1000, ALL_XPOS),
+    "scale base x2": ([(XPosEmbedding, "_log_scale")], scale_base_doubled, ALL_XPOS),
+    "zeta from i/d": ([(xpos_module, "xpos_zeta")], zeta_from_i_over_d, ALL_XPOS),
+    "keys scaled like queries": ([(XPosEmbedding, "_channel_scale")], keys_scaled_like_queries, ALL_XPOS),
+    "positions off by one (rotation)": ([(rotary_module, "cos_sin")], positions_off_by_one, ALL_XPOS),
+    "positions off by one (scale)": ([(XPosEmbedding, "_log_scale")], scale_positions(lambda p: p + (p > 0)),
+                                     ALL_XPOS),
+    # every scale position one too far is a centre one too low: q' and k' move, no score does
+    "scale positions all shifted": ([(XPosEmbedding, "_log_scale")], scale_positions(lambda p: p + 1),
+                                    {"formula", "rotary-embedding-torch"}),
+}
+
+
+def alibi_positions(change):
+    """ALiBiSelfAttention's query and key positions replaced by ``change`` of them."""
+    def wrap(real):
+        def call(self, batch, seq, positions, past, device):
+            query, key = real(self, batch, seq, positions, past, device)
+            return change(query), change(key)
+        return call
+    return wrap
+
+
+def keys_one_late(real):
+    """The bias of key j computed at position j + 1: -m_h |i - j - 1|."""
+    def call(slopes, query_positions, key_positions):
+        return real(slopes, query_positions, key_positions + 1)
+    return call
+
+
+def power_of_two_rule_everywhere(real):
+    """2^(-8(h+1)/n) for every head count (no interpolation for n not a power of two)."""
+    def call(num_heads):
+        return torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)], dtype=torch.float64)
+    return call
+
+
+ALL_ALIBI = {"slopes", "bias", "attention"}
+ALIBI_MUTATIONS = {
+    "slopes in reverse head order": ([(alibi_module, "alibi_slopes")], lambda real: lambda n: real(n).flip(0),
+                                     ALL_ALIBI),
+    "slope ratio 2^(-4/n)": ([(alibi_module, "alibi_slopes")], lambda real: lambda n: real(n).sqrt(), ALL_ALIBI),
+    "power-of-two rule for every head count": ([(alibi_module, "alibi_slopes")], power_of_two_rule_everywhere,
+                                               ALL_ALIBI),
+    "bias sign flipped": ([(alibi_module, "alibi_bias")], lambda real: lambda *a: -real(*a), {"bias", "attention"}),
+    "keys one position late": ([(alibi_module, "alibi_bias")], keys_one_late, {"bias", "attention"}),
+    "positions off by one": ([(ALiBiSelfAttention, "_positions")], alibi_positions(lambda p: p + (p > 0)),
+                             {"bias", "attention", "distance only"}),
+    # every position one too far: only distances enter the bias, so nothing may fail
+    "positions all shifted": ([(ALiBiSelfAttention, "_positions")], alibi_positions(lambda p: p + 1), set()),
+}
+
+
+def checks_under(monkeypatch, replaced, mutation, checks):
+    with monkeypatch.context() as m:
+        for owner, name in replaced:
+            m.setattr(owner, name, mutation(getattr(owner, name)))
+        return checks()
+
+
+def test_xpos_comparisons_pass_the_module_as_it_is():
+    assert not any(xpos_checks().values())
+
+
+@pytest.mark.parametrize("mutation", sorted(XPOS_MUTATIONS))
+def test_xpos_comparisons_detect_each_mutation(monkeypatch, mutation):
+    replaced, mutate_fn, expected = XPOS_MUTATIONS[mutation]
+    caught = checks_under(monkeypatch, replaced, mutate_fn, xpos_checks)
+    assert {name for name, failed in caught.items() if failed} == expected, caught
+
+
+def test_alibi_comparisons_pass_the_module_as_it_is():
+    assert not any(alibi_checks().values())
+
+
+@pytest.mark.parametrize("mutation", sorted(ALIBI_MUTATIONS))
+def test_alibi_comparisons_detect_each_mutation(monkeypatch, mutation):
+    replaced, mutate_fn, expected = ALIBI_MUTATIONS[mutation]
+    caught = checks_under(monkeypatch, replaced, mutate_fn, alibi_checks)
+    assert {name for name, failed in caught.items() if failed} == expected, caught
