@@ -129,7 +129,6 @@ def test_bfloat16_comparison_detects_each_mutation(monkeypatch, mutation):
     model = plain.sharp(plain.tiny("qwen2")).to(torch.bfloat16)
     exact = plain.logits(plain.sharp(plain.tiny("qwen2")).to(torch.bfloat16).float(), plain.IDS)
     ref = plain.logits(model, plain.IDS)
-    assert bfloat16_mismatch(ref, ref, exact) is None
     with monkeypatch.context() as m:
         mutate(m, names, mutate_fn)
         patch(model)
