@@ -147,6 +147,18 @@ def _collective_cases(rank: int, world: int) -> dict:
         gathers[label] = {"x": x, "w": w, "whole": whole.detach(), "grad": local.grad,
                           "token_index": shard.token_index}
     out["gathers"] = gathers
+    shard = ContextShard(8, scheme="contiguous")
+    local = shard.shard(torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(2)), seq_dim=1)
+    out["gather_mismatch"] = {  # the ranks agree on dtype and shape before any bytes move
+        "dtype": _expect_error(lambda: shard.gather(local.to(torch.float16 if rank == 0 else torch.bfloat16),
+                                                    seq_dim=1)),
+        "shape": _expect_error(lambda: shard.gather(local if rank < world - 1 else local[..., :2], seq_dim=1)),
+        "ndim": _expect_error(lambda: shard.gather(local if rank else local[..., None], seq_dim=1)),
+        "seq_dim": _expect_error(lambda: shard.gather(local if rank else local.transpose(0, 1),
+                                                      seq_dim=1 if rank else 0)),
+        "tokens": _expect_error(lambda: shard.gather(local[:, :1] if rank == 0 else local, seq_dim=1)),
+        "bfloat16": shard.gather(local.to(torch.bfloat16), seq_dim=1),  # the group still works, in any one dtype
+    }
     attn = RotarySelfAttention(EMBED, HEADS)
     shard = ContextShard(16, scheme="zigzag")
     local = torch.randn(1, shard.token_index.numel(), EMBED)

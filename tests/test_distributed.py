@@ -109,6 +109,37 @@ def test_gather_restores_the_global_order_and_sums_gradients(ranks):
             torch.testing.assert_close(got["grad"], expected, rtol=0, atol=1e-6, msg=label)
 
 
+def test_gather_of_mismatched_parts_raises_the_same_error_on_every_rank(ranks):
+    """float16 against bfloat16 (bytes that would be read as each other's) and shapes that would abort gloo."""
+    world, results = ranks
+    last = world - 1
+    others = ", ".join(map(str, range(1, world)))
+    mismatch = [result["collectives"]["gather_mismatch"] for result in results]
+    rest = "s" if world > 2 else ""
+    expected = {
+        "dtype": f"ValueError: x must have the same dtype on every rank of the group, got torch.float16 on rank 0 "
+                 f"and torch.bfloat16 on rank{rest} {others}",
+        "shape": f"ValueError: x must have the same shape on every rank of the group apart from its seq_dim axis "
+                 f"(* below), got (2, *, 3) with seq_dim=1 on rank{rest} {', '.join(map(str, range(last)))} and "
+                 f"(2, *, 2) with seq_dim=1 on rank {last}",
+        "ndim": f"ValueError: x must have the same shape on every rank of the group apart from its seq_dim axis "
+                f"(* below), got (2, *, 3, 1) with seq_dim=1 on rank 0 and (2, *, 3) with seq_dim=1 on "
+                f"rank{rest} {others}",
+        "seq_dim": f"ValueError: x must have the same shape on every rank of the group apart from its seq_dim axis "
+                   f"(* below), got (*, 2, 3) with seq_dim=0 on rank 0 and (2, *, 3) with seq_dim=1 on "
+                   f"rank{rest} {others}",
+    }
+    for rank, got in enumerate(mismatch):
+        for name, message in expected.items():
+            assert got[name] == message, (rank, name, got[name])
+        if rank == 0:
+            assert got["tokens"].startswith("ValueError: x must hold this rank's") and "got 1" in got["tokens"]
+        else:
+            assert "another rank of the group refused its arguments" in got["tokens"]
+        whole = torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        assert got["bfloat16"].dtype == torch.bfloat16 and torch.equal(got["bfloat16"], whole)
+
+
 def test_attention_with_context_refuses_what_it_cannot_combine(ranks):
     _, results = ranks
     errors = results[0]["collectives"]

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import ropekit.integrations.transformers as integ  # noqa: E402
 import ropekit.integrations.transformers_cache as integ_cache  # noqa: E402
+from model_compare import assert_bfloat16_close, assert_logits_match  # noqa: E402
 from ropekit.integrations.transformers import patch, static_cache, unpatch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -89,7 +90,7 @@ def test_fused_patch_matches_the_model_and_fuses_every_norm_and_cache_write(fami
     logits, tokens = run(model)
     layers = model.config.num_hidden_layers
     assert counts["norm"] == 2 * layers * 7  # q and k of every layer: one forward, six generation steps
-    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    assert_logits_match(logits, ref_logits)
     assert torch.equal(tokens, ref_tokens)
     counts["norm"] = 0
     _, cached_tokens = run(model, static_cache(model, 32))
@@ -104,18 +105,19 @@ def test_fused_patch_matches_the_model_and_fuses_every_norm_and_cache_write(fami
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "olmo2"])
 def test_bfloat16_models_stay_close_and_fuse_false_keeps_transformers_norms(family, counts):
     model = tiny(family, torch.bfloat16)
+    exact, _ = run(tiny(family, torch.bfloat16).float())  # the same bfloat16 weights, computed in float32
     ref_logits, _ = run(model)
     patch(model)
     logits, _ = run(model)
     unpatch(model)
-    torch.testing.assert_close(logits.float(), ref_logits.float(), rtol=0, atol=0.1)
+    assert_bfloat16_close(logits, ref_logits, exact)
     assert counts["norm"] > 0
     counts["norm"] = 0
     patch(model, fuse=False)
     unfused_logits, _ = run(model, static_cache(model, 32))
     unpatch(model)
     assert counts == {"norm": 0, "cache": 0}
-    torch.testing.assert_close(unfused_logits.float(), ref_logits.float(), rtol=0, atol=0.1)
+    assert_bfloat16_close(unfused_logits, ref_logits, exact)
 
 
 def test_a_changed_data_flow_fails_loudly(monkeypatch):
@@ -175,7 +177,7 @@ def test_torch_compile_runs_the_patched_model_without_deferring():
     with torch.no_grad():
         out = compiled(IDS).logits
     unpatch(model)
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert_logits_match(out, ref)
 
 
 @pytest.mark.parametrize(("family", "norm_class", "bound"), [("qwen3", "Qwen3RMSNorm", 2.0),

@@ -7,6 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from model_compare import assert_bfloat16_close, assert_logits_match  # noqa: E402
 from ropekit import RopeConfig  # noqa: E402
 from ropekit.integrations.transformers import patch, unpatch  # noqa: E402
 from ropekit.scaling import Linear  # noqa: E402
@@ -55,7 +56,7 @@ def test_logits_match_and_unpatch_restores(family, monkeypatch):
     patch(model)
     out = logits(model, IDS)
     assert len(calls) == 2  # q and k of two layers went through ropekit
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert_logits_match(out, ref)
     unpatch(model)
     assert torch.equal(logits(model, IDS), ref)
     for m in model.modules():
@@ -104,18 +105,37 @@ def test_rope_override_matches_model_with_scaling():
     ref_plain, ref_scaled = logits(model, IDS), logits(scaled, IDS)
     assert not torch.allclose(ref_plain, ref_scaled, atol=1e-4)
     patch(model, rope=RopeConfig(head_dim=16, base=10000.0, scaling=Linear(factor=4.0)))
-    torch.testing.assert_close(logits(model, IDS), ref_scaled, rtol=0, atol=1e-5)
+    assert_logits_match(logits(model, IDS), ref_scaled)
     unpatch(model)
+
+
+QK_GAIN = 8.0
+
+
+def sharp(model, gain=QK_GAIN):
+    """``model`` with its q and k projection weights times ``gain``: attention that depends on position.
+
+    At the default initialisation (std 0.02) the logits q.k are ~1e-3, attention is nearly uniform
+    and a rotation one position off moves the bfloat16 logits less than rounding does (rms ratio
+    1.04 in :func:`model_compare.bfloat16_mismatch`); times 8 it moves them ~13x as far, while a
+    correct patch stays at ~1.0.
+    """
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(gain)
+            layer.self_attn.k_proj.weight.mul_(gain)
+    return model
 
 
 def test_bf16_model_runs_with_float32_tables():
-    model = tiny("qwen2")
+    model = sharp(tiny("qwen2")).to(torch.bfloat16)
+    exact = logits(sharp(tiny("qwen2")).to(torch.bfloat16).float(), IDS)  # the same bfloat16 weights, in float32
     ref = logits(model, IDS)
-    model = patch(model.to(torch.bfloat16))
+    model = patch(model)
     out = logits(model, IDS)
     unpatch(model)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref, rtol=0, atol=0.1)
+    assert_bfloat16_close(out, ref, exact)
 
 
 def test_errors():
@@ -139,7 +159,7 @@ def test_torch_compile_eager_backend():
     with torch.no_grad():
         out = compiled(IDS).logits
     unpatch(model)
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert_logits_match(out, ref)
 
 
 # tensors ropekit convert must touch per layer (q/k projections, fused q/k/v, q/k norms)
@@ -202,7 +222,7 @@ def test_meta_layout_checkpoint_with_interleaved_rope_equals_hf_twin(family, ext
     own = RopeConfig.from_hf(cfg)
     patch(meta, rope=RopeConfig(head_dim=own.head_dim, rotary_dim=own.rotary_dim, base=own.base,
                                 layout="interleaved"))
-    torch.testing.assert_close(logits(meta, IDS), ref, rtol=0, atol=1e-5)
+    assert_logits_match(logits(meta, IDS), ref)
     with torch.no_grad():
         kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(meta.generate(IDS[:1, :8], **kwargs), hf.generate(IDS[:1, :8], **kwargs))

@@ -2,6 +2,11 @@
 
 Press et al. 2022 ("Train Short, Test Long"): softmax(q_i . k_j / sqrt(d) - m_h (i - j)) over j <= i,
 slopes from the reference code's ``get_slopes``.
+
+Each property is one comparison (``*_mismatch``: ``None`` when it holds, else what differs) run
+over fixed cases (``*_CASES``) by a test here; tests/test_mutations.py breaks the module and runs
+the same comparisons over the same cases to show that each one notices. The comparisons reach the
+module's functions through ``ropekit.nn.alibi`` at call time, so a replaced function is the one checked.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ropekit.nn import ALiBiSelfAttention, KVCache, alibi_bias, alibi_slopes
+from ropekit.nn import alibi as alibi_module
 
 torch.set_num_threads(1)
 
@@ -30,10 +36,39 @@ def paper_slopes(n: int) -> list[float]:
     return power_of_2(closest) + paper_slopes(2 * closest)[0::2][: n - closest]
 
 
-@pytest.mark.parametrize("heads", [1, 2, 3, 5, 6, 8, 12, 16, 20, 24, 32, 40, 64])
-def test_slopes_are_the_papers(heads):
-    torch.testing.assert_close(alibi_slopes(heads), torch.tensor(paper_slopes(heads), dtype=torch.float64),
-                               atol=0, rtol=1e-14)
+def bloom_slopes(heads: int) -> torch.Tensor | None:
+    """transformers' BLOOM ``build_alibi_tensor`` slopes (float32): its bias is ``m_h j``, so key 1's entry is m_h."""
+    try:
+        from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+    except ImportError:
+        return None
+    return build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), heads, torch.float32)[:, 0, 1].double()
+
+
+def slopes_mismatch(heads: int) -> str | None:
+    """``alibi_slopes`` and a module's ``slopes`` against the paper's ``get_slopes``, 2^(-8(h+1)/n) and BLOOM's."""
+    expected = torch.tensor(paper_slopes(heads), dtype=torch.float64)
+    if heads & (heads - 1) == 0:  # a power of two: the geometric sequence 2^(-8/n), 2^(-16/n), ...
+        closed = torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], dtype=torch.float64)
+        if not torch.allclose(expected, closed, rtol=1e-14, atol=0):
+            return f"the paper's slopes for {heads} heads are not 2^(-8(h+1)/n)"  # the oracle itself
+    peer = bloom_slopes(heads)
+    module = ALiBiSelfAttention(2 * heads, heads)
+    for name, got in (("alibi_slopes", alibi_module.alibi_slopes(heads)), ("module.slopes", module.slopes)):
+        if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-14, atol=0):
+            return f"{name}({heads}) = {got.tolist()}, the paper's {expected.tolist()}"
+        if peer is not None and not torch.allclose(got, peer, rtol=1e-6, atol=0):
+            return f"{name}({heads}) = {got.tolist()}, BLOOM's {peer.tolist()}"
+    return None
+
+
+SLOPE_HEADS = [1, 2, 3, 5, 6, 8, 12, 16, 20, 24, 32, 40, 64]
+
+
+@pytest.mark.parametrize("heads", SLOPE_HEADS)
+def test_slopes_are_the_papers_and_blooms(heads):
+    problem = slopes_mismatch(heads)
+    assert problem is None, problem
 
 
 def test_slopes_worked_examples():
@@ -74,20 +109,110 @@ def oracle(module: ALiBiSelfAttention, x: torch.Tensor, positions: torch.Tensor,
     return linear64(module.o_proj, out.reshape(batch, seq, heads * d))
 
 
+def attention_mismatch(num_heads: int, kv_heads: int, causal: bool, batch: int, seq: int,
+                       starts: list[int] | None, seed: int) -> str | None:
+    """The module's output (float64, with projection biases) against :func:`oracle`.
+
+    ``starts``: each row's first position (positions ``start + arange(seq)``); ``None`` leaves
+    the module its default positions ``0 .. seq - 1``.
+    """
+    torch.manual_seed(seed)
+    module = ALiBiSelfAttention(4 * num_heads, num_heads, num_kv_heads=kv_heads, causal=causal, bias=True).double()
+    x = torch.randn(batch, seq, 4 * num_heads, dtype=torch.float64)
+    first = torch.zeros(batch, dtype=torch.long) if starts is None else torch.tensor(starts)
+    positions = first[:, None] + torch.arange(seq)
+    got = module(x) if starts is None else module(x, positions)
+    error = (got - oracle(module, x, positions)).abs().max().item()
+    return None if error <= 1e-10 else f"output differs from the float64 softmax with the paper's bias by {error:.3g}"
+
+
+# (num_heads, kv_heads, causal, batch, seq, starts, seed): default positions (from 0) and given ones,
+# a power of two and other head counts, grouped keys, causal and not
+ATTENTION_CASES = [
+    (4, 2, True, 2, 6, None, 0),
+    (3, 3, True, 1, 7, None, 1),
+    (6, 3, False, 2, 5, None, 2),
+    (8, 8, True, 2, 6, [0, 40], 3),
+    (5, 1, False, 1, 6, [7], 4),
+]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_module_matches_the_definition_fixed_cases(case):
+    problem = attention_mismatch(*case)
+    assert problem is None, problem
+
+
 @settings(max_examples=20, deadline=None)
 @given(data=st.data(), heads=st.sampled_from([(1, 1), (2, 2), (3, 3), (4, 2), (6, 3), (4, 1)]),
        causal=st.booleans(), batch=st.integers(1, 2), seq=st.integers(1, 7))
 def test_module_matches_the_definition(data, heads, causal, batch, seq):
-    num_heads, kv_heads = heads
     seed = data.draw(st.integers(0, 2**16), label="seed")
+    starts = data.draw(st.none() | st.lists(st.integers(0, 500), min_size=batch, max_size=batch), label="starts")
+    problem = attention_mismatch(*heads, causal, batch, seq, starts, seed)
+    assert problem is None, problem
+
+
+def bias_mismatch(num_heads: int, causal: bool, seq: int, past: int, positions: list[int] | None) -> str | None:
+    """The bias the module adds to the scaled logits (``score_bias``) against ``-m_h |i - j|`` written out.
+
+    ``m_h`` are the paper's slopes; under the causal mask keys after the query get ``-inf`` (where
+    the module leaves the mask to SDPA's ``is_causal`` it is applied here to both sides). ``past``:
+    cached keys before the ``seq`` new tokens, whose positions continue at ``past``.
+    """
+    module = ALiBiSelfAttention(2 * num_heads, num_heads, causal=causal)
+    given_positions = None if positions is None else torch.tensor(positions)
+    got, _ = module.score_bias(1, seq, past, given_positions, None, torch.float64, torch.device("cpu"))
+    query_pos = list(range(past, past + seq)) if positions is None else positions
+    key_pos = list(range(past + seq)) if positions is None else positions
+    slopes = paper_slopes(num_heads)
+    expected = torch.tensor([[[-slopes[h] * abs(i - j) for j in key_pos] for i in query_pos]
+                             for h in range(num_heads)], dtype=torch.float64)
+    if causal:
+        later = torch.ones(seq, past + seq, dtype=torch.bool).tril(diagonal=past).logical_not()
+        expected = expected.masked_fill(later, -math.inf)
+        got = got.masked_fill(later, -math.inf)
+    if got.shape != (1, *expected.shape):
+        return f"bias of shape {tuple(got.shape)}, expected {(1, *expected.shape)}"
+    if not torch.allclose(got[0], expected, rtol=1e-14, atol=0, equal_nan=False):
+        error = (got[0] - expected).nan_to_num(posinf=math.inf, neginf=math.inf).abs().max().item()
+        return f"bias differs from -m_h |i - j| by {error:.3g}"
+    return None
+
+
+# (num_heads, causal, seq, past, positions)
+BIAS_CASES = [
+    (4, True, 6, 0, None),
+    (3, False, 5, 0, None),
+    (6, True, 3, 4, None),
+    (12, False, 4, 0, [0, 1, 5, 9]),
+    (2, True, 1, 7, None),
+]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES)
+def test_bias_is_minus_slope_times_distance(case):
+    problem = bias_mismatch(*case)
+    assert problem is None, problem
+
+
+def shift_mismatch(num_heads: int, causal: bool, seq: int, shift: int, seed: int) -> str | None:
+    """Only distances matter: the output at positions ``shift + arange(seq)`` equals that at the default ``0 ..``."""
     torch.manual_seed(seed)
-    module = ALiBiSelfAttention(4 * num_heads, num_heads, num_kv_heads=kv_heads, causal=causal, bias=True).double()
-    x = torch.randn(batch, seq, 4 * num_heads, dtype=torch.float64)
-    starts = data.draw(st.lists(st.integers(0, 500), min_size=batch, max_size=batch), label="starts")
-    positions = torch.tensor(starts)[:, None] + torch.arange(seq)
-    torch.testing.assert_close(module(x, positions), oracle(module, x, positions), atol=1e-12, rtol=1e-10)
-    # the bias depends on i - j only: default positions give the same result
-    torch.testing.assert_close(module(x), module(x, positions), atol=1e-12, rtol=0)
+    module = ALiBiSelfAttention(4 * num_heads, num_heads, causal=causal).double()
+    x = torch.randn(2, seq, 4 * num_heads, dtype=torch.float64)
+    error = (module(x, shift + torch.arange(seq)) - module(x)).abs().max().item()
+    return None if error <= 1e-12 else f"positions shifted by {shift} move the output by {error:.3g}"
+
+
+# (num_heads, causal, seq, shift, seed)
+SHIFT_CASES = [(4, True, 6, 1, 0), (3, False, 5, 500, 1), (8, True, 7, 37, 2)]
+
+
+@pytest.mark.parametrize("case", SHIFT_CASES)
+def test_output_depends_on_distances_only(case):
+    problem = shift_mismatch(*case)
+    assert problem is None, problem
 
 
 def test_padding_mask_and_rows_without_keys():

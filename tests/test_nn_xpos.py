@@ -3,6 +3,10 @@
 Sun et al. 2022 ("A Length-Extrapolatable Transformer", torchscale ``XPOS``): after RoPE, pair ``i``
 of a query at position ``n`` is multiplied by ``zeta_i^((n - c)/B)`` and of a key at ``m`` by
 ``zeta_i^(-(m - c)/B)``, ``zeta_i = (2i/d + 0.4) / 1.4``, ``B = 512``.
+
+Each property is one comparison (``*_mismatch``: ``None`` when it holds, else what differs) run
+over fixed cases (``*_CASES``) by a test here; tests/test_mutations.py breaks the module and runs
+the same comparisons over the same cases to show that each one notices.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from ropekit.nn import KVCache, RotarySelfAttention, XPosEmbedding
 torch.set_num_threads(1)
 
 ORACLE_ATOL = 2e-6  # float32 cos/sin tables inside a float64 forward (ropekit convention)
+PEER_RTOL = 1e-5  # float32 on both sides; the smallest mutation in tests/test_mutations.py moves ~2e-3
+SCORE_RTOL = 1e-5  # of the sum of the score's terms' sizes: float32 tables, positions up to ~10,000
 
 
 def pair_channels(i: int, rotary_dim: int, layout: str) -> tuple[int, int]:
@@ -46,6 +52,45 @@ def xpos_by_hand(x: torch.Tensor, positions: list[int], *, key: bool, rotary_dim
     return out
 
 
+def formula_mismatch(head_dim: int, rotary_dim: int, layout: str, positions: list[int], scale_base: float,
+                     center: int, seed: int) -> str | None:
+    """XPosEmbedding's q' and k' (two heads, float64) against :func:`xpos_by_hand`, element by element."""
+    gen = torch.Generator().manual_seed(seed)
+    seq = len(positions)
+    q = torch.randn(1, 2, seq, head_dim, dtype=torch.float64, generator=gen)
+    k = torch.randn(1, 2, seq, head_dim, dtype=torch.float64, generator=gen)
+    xpos = XPosEmbedding(head_dim, rotary_dim=rotary_dim, layout=layout, scale_base=scale_base, center=center)
+    got_q, got_k = xpos(q, k, torch.tensor(positions))
+    if got_q.dtype != torch.float64 or got_q.shape != q.shape or got_k.shape != k.shape:
+        return f"q' {got_q.dtype} {tuple(got_q.shape)}, k' {tuple(got_k.shape)} for float64 {tuple(q.shape)}"
+    for h in range(2):
+        for name, got, x, key in (("q", got_q, q, False), ("k", got_k, k, True)):
+            expected = xpos_by_hand(x[0, h], positions, key=key, rotary_dim=rotary_dim, layout=layout,
+                                    scale_base=scale_base, center=center)
+            # the float32 tables err by ~6e-8 of a pair's size, and a key's pair can be large (zeta^(-m/B))
+            # while one of its channels nearly cancels: bound the error by each row's size
+            error = (got[0, h] - expected).abs() / (1 + expected.abs().amax(-1, keepdim=True))
+            if not (error <= ORACLE_ATOL).all():
+                return f"{name}' head {h} differs from the paper's formula by {error.max().item():.3g} (relative)"
+    return None
+
+
+# (head_dim, rotary_dim, layout, positions, scale_base, center, seed): position 0 and its neighbours,
+# far positions, both layouts, partial rotation and the paper's scale base
+FORMULA_CASES = [
+    (8, 8, "half", [0, 1, 2, 5, 100, 3000], 512.0, 0, 0),
+    (8, 8, "interleaved", [0, 1, 2, 5, 100, 3000], 512.0, 0, 1),
+    (12, 8, "half", [0, 3, 7, 1000, 4000], 64.0, -20, 2),
+    (12, 4, "interleaved", [0, 1, 4095], 64.0, 40, 3),
+]
+
+
+@pytest.mark.parametrize("case", FORMULA_CASES)
+def test_matches_the_paper_formula_fixed_cases(case):
+    problem = formula_mismatch(*case)
+    assert problem is None, problem
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     data=st.data(),
@@ -58,48 +103,72 @@ def xpos_by_hand(x: torch.Tensor, positions: list[int], *, key: bool, rotary_dim
 def test_matches_the_paper_formula(data, head_dim, layout, seq, scale_base, center):
     rotary_dim = data.draw(st.sampled_from(list(range(2, head_dim + 1, 2))), label="rotary_dim")
     positions = data.draw(st.lists(st.integers(0, 3000), min_size=seq, max_size=seq), label="positions")
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
-    q = torch.randn(1, 2, seq, head_dim, dtype=torch.float64, generator=gen)
-    k = torch.randn(1, 2, seq, head_dim, dtype=torch.float64, generator=gen)
-    xpos = XPosEmbedding(head_dim, rotary_dim=rotary_dim, layout=layout, scale_base=scale_base, center=center)
-    got_q, got_k = xpos(q, k, torch.tensor(positions))
-    assert got_q.dtype == torch.float64 and got_q.shape == q.shape
-    for h in range(2):
-        for got, x, key in ((got_q, q, False), (got_k, k, True)):
-            expected = xpos_by_hand(x[0, h], positions, key=key, rotary_dim=rotary_dim, layout=layout,
-                                    scale_base=scale_base, center=center)
-            # the float32 tables err by ~6e-8 of a pair's size, and a key's pair can be large (zeta^(-m/B))
-            # while one of its channels nearly cancels: bound the error by each row's size
-            error = (got[0, h] - expected).abs()
-            assert (error <= ORACLE_ATOL * (1 + expected.abs().amax(-1, keepdim=True))).all(), error.max()
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    problem = formula_mismatch(head_dim, rotary_dim, layout, positions, scale_base, center, seed)
+    assert problem is None, problem
+
+
+def score_by_distance(q: torch.Tensor, k: torch.Tensor, distance: int, layout: str, d: int) -> tuple[float, float]:
+    """``sum_i zeta_i^(D/B) <q_[i], R_(-D theta_i) k_[i]>`` for ``D = n - m``: the score from the distance alone.
+
+    ``<R_n q, R_m k> = <q, R_(m - n) k>`` pair by pair. Returns the score and the sum of its
+    terms' sizes (what rounding is relative to). q, k: float64 ``(d,)``.
+    """
+    score = magnitude = 0.0
+    for i in range(d // 2):
+        zeta = (2.0 * i / d + 0.4) / 1.4
+        weight = zeta ** (distance / 512.0)
+        phi = -distance * 10000.0 ** (-2.0 * i / d)
+        a, b = pair_channels(i, d, layout)
+        qa, qb, ka, kb = float(q[a]), float(q[b]), float(k[a]), float(k[b])
+        c, s = math.cos(phi), math.sin(phi)
+        score += weight * (qa * (ka * c - kb * s) + qb * (kb * c + ka * s))
+        magnitude += weight * math.hypot(qa, qb) * math.hypot(ka, kb)
+    return score, magnitude
+
+
+def shift_mismatch(n: int, m: int, shift: int, center: int, layout: str) -> str | None:
+    """The score of a query at ``n`` and a key at ``m`` (d = 16, the paper's zeta and B) is
+    :func:`score_by_distance` of ``n - m``, and stays so with both moved by ``shift`` and another centre."""
+    d = 16
+    gen = torch.Generator().manual_seed(n * 7919 + m)
+    q = torch.randn(1, 1, 1, d, dtype=torch.float64, generator=gen)
+    k = torch.randn(1, 1, 1, d, dtype=torch.float64, generator=gen)
+    expected, magnitude = score_by_distance(q[0, 0, 0], k[0, 0, 0], n - m, layout, d)
+    for offset, c in ((0, 0), (shift, center)):
+        xpos = XPosEmbedding(d, layout=layout, center=c)
+        q_out, _ = xpos(q, q, torch.tensor([n + offset]))
+        _, k_out = xpos(k, k, torch.tensor([m + offset]))
+        score = float((q_out * k_out).sum())
+        if abs(score - expected) > SCORE_RTOL * magnitude:
+            return (f"score of positions ({n + offset}, {m + offset}) with center {c}: {score:.9g}, "
+                    f"from the distance {n - m} alone {expected:.9g}")
+    return None
+
+
+# (n, m, shift, center, layout): a token at position 0, neighbours, far pairs, both signs of n - m
+SHIFT_CASES = [
+    (0, 7, 5, 0, "half"),
+    (9, 0, 100, -50, "interleaved"),
+    (1, 2, 0, 30, "half"),
+    (4000, 3, 1, 3000, "interleaved"),
+    (250, 4999, 2, -1000, "half"),
+]
+
+
+@pytest.mark.parametrize("case", SHIFT_CASES)
+def test_score_depends_on_the_distance_only_fixed_cases(case):
+    problem = shift_mismatch(*case)
+    assert problem is None, problem
 
 
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(0, 5000), m=st.integers(0, 5000), shift=st.integers(0, 5000), center=st.integers(-3000, 3000),
        layout=st.sampled_from(["half", "interleaved"]))
 def test_score_is_zeta_weighted_rope_and_depends_on_the_distance_only(n, m, shift, center, layout):
-    """q'_n . k'_m = sum_i zeta_i^((n-m)/B) <(R_n q)_i, (R_m k)_i>, whatever the centre, after any common shift."""
-    d = 16
-    gen = torch.Generator().manual_seed(n * 7919 + m)
-    q, k = torch.randn(1, 1, 1, d, dtype=torch.float64, generator=gen), torch.randn(1, 1, 1, d, dtype=torch.float64,
-                                                                                      generator=gen)
-    inv_freq = torch.tensor([10000.0 ** (-2.0 * i / d) for i in range(d // 2)], dtype=torch.float64)
-    rq = ropekit.apply_reference(q[0, 0], torch.tensor([n]), inv_freq, layout=layout)[0]
-    rk = ropekit.apply_reference(k[0, 0], torch.tensor([m]), inv_freq, layout=layout)[0]
-    expected = magnitude = 0.0  # magnitude: the sum of the terms' sizes, what rounding is relative to
-    for i in range(d // 2):
-        zeta = (2.0 * i / d + 0.4) / 1.4
-        a, b = pair_channels(i, d, layout)
-        expected += zeta ** ((n - m) / 512.0) * float(rq[a] * rk[a] + rq[b] * rk[b])
-        magnitude += zeta ** ((n - m) / 512.0) * float(rq[[a, b]].norm() * rk[[a, b]].norm())
-    scores = []
-    for offset, c in ((0, 0), (shift, center)):
-        xpos = XPosEmbedding(d, layout=layout, center=c)
-        q_out, _ = xpos(q, q, torch.tensor([n + offset]))
-        _, k_out = xpos(k, k, torch.tensor([m + offset]))
-        scores.append(float((q_out * k_out).sum()))
-    assert abs(scores[0] - expected) <= 1e-5 * magnitude
-    assert abs(scores[1] - scores[0]) <= 2e-5 * magnitude
+    """q'_n . k'_m = sum_i zeta_i^((n-m)/B) <q_[i], R_(m-n) k_[i]>, whatever the centre, after any common shift."""
+    problem = shift_mismatch(n, m, shift, center, layout)
+    assert problem is None, problem
 
 
 def test_the_fastest_pair_decays_most():
@@ -109,22 +178,65 @@ def test_the_fastest_pair_decays_most():
     assert torch.all(zeta[1:] > zeta[:-1]) and zeta[-1] < 1
 
 
-def test_matches_rotary_embedding_torch_xpos():
-    """rotary-embedding-torch 0.9.1: interleaved pairs, positions from 0, exponent centred at seq // 2."""
+def interleaved_order(d: int) -> torch.Tensor:
+    """Channel ``c`` of the interleaved layout is channel ``interleaved_order(d)[c]`` of the half layout."""
+    return torch.stack((torch.arange(d // 2), torch.arange(d // 2) + d // 2), dim=-1).flatten()
+
+
+def peer_mismatch(d: int, seq: int, base: float, scale_base: float, layout: str) -> str | None:
+    """XPosEmbedding against rotary-embedding-torch's ``rotate_queries_and_keys`` (float32, seeded q and k).
+
+    How the two meet (rotary-embedding-torch 0.9.1, ``RotaryEmbedding(dim, theta, use_xpos=True,
+    xpos_scale_base)``):
+
+    - ``theta`` is our ``base`` and ``xpos_scale_base`` our ``scale_base``; its
+      ``scale = (arange(0, dim, 2) + 0.4 dim) / (1.4 dim)`` is our ``zeta`` with ``gamma = 0.4``;
+    - its positions are ``0 .. seq - 1`` and its exponent ``(t - seq // 2) / scale_base``: our
+      default positions with ``center = seq // 2``;
+    - its pairs are interleaved (``rotate_half`` pairs channels 2i, 2i + 1): our ``"interleaved"``;
+      our ``"half"`` pairs channels i, i + d/2, so a half-layout q is compared after reordering its
+      channels with :func:`interleaved_order` (the peer rotates the reordered input).
+
+    A fresh peer per call: it caches its scales by length, centred at the first length it saw.
+    """
     ret = pytest.importorskip("rotary_embedding_torch")
+    gen = torch.Generator().manual_seed(d * 1000 + seq)
+    q, k = torch.randn(2, 3, seq, d, generator=gen), torch.randn(2, 3, seq, d, generator=gen)
+    got_q, got_k = XPosEmbedding(d, base=base, layout=layout, scale_base=scale_base, center=seq // 2)(q, k)
+    order = interleaved_order(d) if layout == "half" else torch.arange(d)
+    peer = ret.RotaryEmbedding(dim=d, theta=base, use_xpos=True, xpos_scale_base=scale_base)
+    peer_q, peer_k = peer.rotate_queries_and_keys(q[..., order], k[..., order])
+    for name, got, want in (("q", got_q[..., order], peer_q), ("k", got_k[..., order], peer_k)):
+        # both sides round to float32 (the peer its angles and factors too): bound by each row's size
+        error = (got - want).abs() / (1 + want.abs().amax(-1, keepdim=True))
+        if (error > PEER_RTOL).any():
+            return f"{name}' differs from rotary-embedding-torch's by {error.max().item():.3g} (relative)"
+    return None
+
+
+# (d, seq, base, scale_base, layout)
+PEER_CASES = [
+    (32, 10, 10000.0, 512.0, "interleaved"),
+    (64, 33, 10000.0, 512.0, "half"),
+    (16, 40, 500.0, 16.0, "interleaved"),
+    (8, 25, 10000.0, 8.0, "half"),
+]
+
+
+@pytest.mark.parametrize("case", PEER_CASES)
+def test_matches_rotary_embedding_torch_xpos(case):
+    problem = peer_mismatch(*case)
+    assert problem is None, problem
+
+
+def test_another_centre_moves_q_and_k_but_no_score():
     torch.manual_seed(0)
-    for d, seq in ((32, 10), (64, 33)):
-        q, k = torch.randn(2, 3, seq, d), torch.randn(2, 3, seq, d)
-        peer = ret.RotaryEmbedding(dim=d, use_xpos=True, xpos_scale_base=512)
-        peer_q, peer_k = peer.rotate_queries_and_keys(q, k)
-        got_q, got_k = XPosEmbedding(d, layout="interleaved", center=seq // 2)(q, k)
-        torch.testing.assert_close(got_q, peer_q, atol=2e-6, rtol=1e-5)
-        torch.testing.assert_close(got_k, peer_k, atol=2e-6, rtol=1e-5)
-        # a different centre changes q and k but not one attention score
-        other_q, other_k = XPosEmbedding(d, layout="interleaved")(q, k)
-        assert (other_q - got_q).abs().max() > 1e-4
-        torch.testing.assert_close(other_q @ other_k.transpose(-1, -2), peer_q @ peer_k.transpose(-1, -2),
-                                   atol=1e-4, rtol=1e-5)
+    q, k = torch.randn(2, 3, 33, 64), torch.randn(2, 3, 33, 64)
+    centred_q, centred_k = XPosEmbedding(64, layout="interleaved", center=16)(q, k)
+    other_q, other_k = XPosEmbedding(64, layout="interleaved")(q, k)
+    assert (other_q - centred_q).abs().max() > 1e-4
+    torch.testing.assert_close(other_q @ other_k.transpose(-1, -2), centred_q @ centred_k.transpose(-1, -2),
+                               atol=1e-4, rtol=1e-5)
 
 
 def test_inside_attention_with_a_kv_cache_decoding_equals_the_full_forward():

@@ -175,13 +175,61 @@ class _GatherSequence(torch.autograd.Function):
         return mine.narrow(seq_dim, 0, sizes[ctx.rank]), None, None, None, None, None
 
 
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)  # one code per dtype
+_SHOWN_DIMS = 8  # sizes sent for the message; shapes of more dims are compared by digest
+
+
+def _ranks_with(values: list, value) -> str:
+    ranks = [r for r, v in enumerate(values) if v == value]
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _agree_on_layout(x: Tensor | None, seq_dim: int, refused: Exception | None, group) -> None:
+    """Every rank learns every rank's dtype and shape (one ``all_gather`` of a few ints) before the gather.
+
+    All ranks raise the same ``ValueError`` naming what differs and on which ranks: the bytes of
+    float16 and bfloat16 tensors would otherwise be read as each other's, and parts of other
+    shapes abort a gloo collective. A rank whose own arguments were refused still takes part.
+    """
+    meta = [1, 0, 0, 0, 0] + [0] * _SHOWN_DIMS
+    if refused is None:
+        shape = list(x.shape)
+        shape[seq_dim] = -1  # the ranks' token counts differ by design (checked against sizes)
+        meta = [0, _DTYPES.index(x.dtype), x.dim(), seq_dim, fingerprint(torch.tensor(shape))]
+        meta += (shape + [0] * _SHOWN_DIMS)[:_SHOWN_DIMS]
+    mine = torch.tensor(meta, dtype=torch.int64, device=collective_device(group))
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    rows = [part.tolist() for part in parts]
+    _raise_if_refused(refused, any(row[0] for row in rows))
+    dtypes = [_DTYPES[row[1]] for row in rows]
+    if len(set(dtypes)) > 1:
+        got = " and ".join(f"{dtype} on {_ranks_with(dtypes, dtype)}" for dtype in dict.fromkeys(dtypes))
+        raise ValueError(f"x must have the same dtype on every rank of the group, got {got}")
+    shapes = []
+    for row in rows:
+        sizes = ["*" if n == -1 else str(n) for n in row[5:5 + min(row[2], _SHOWN_DIMS)]]
+        shown = ", ".join(sizes + (["..."] if row[2] > _SHOWN_DIMS else []))
+        shapes.append((f"({shown}{',' if row[2] == 1 else ''})", row[2], row[3], row[4]))
+    if len(set(shapes)) > 1:
+        got = " and ".join(f"{shape[0]} with seq_dim={shape[2]} on {_ranks_with(shapes, shape)}"
+                           for shape in dict.fromkeys(shapes))
+        raise ValueError(f"x must have the same shape on every rank of the group apart from its seq_dim axis "
+                         f"(* below), got {got}")
+
+
 def gather_sequence(
     x: Tensor, *, seq_dim: int, sizes: Sequence[int], order: Tensor, group: dist.ProcessGroup | None = None
 ) -> Tensor:
     """Every rank's tokens along ``seq_dim``, in global order (differentiable; a collective).
 
+    The ranks first agree on x's dtype and on its shape apart from ``seq_dim`` (one small
+    ``all_gather``); a rank whose own arguments are wrong raises its error and the others learn
+    that it refused, so none is left waiting.
+
     Args:
-        x: this rank's tokens, ``sizes[rank]`` of them along ``seq_dim``.
+        x: this rank's tokens, ``sizes[rank]`` of them along ``seq_dim``; the same dtype and the
+            same other sizes on every rank.
         seq_dim: the sequence axis of ``x``.
         sizes: tokens each rank holds (ints, one per rank of ``group``).
         order: int64 ``(sum(sizes),)``: the global index of each token, the ranks' tokens one
@@ -191,18 +239,29 @@ def gather_sequence(
     Returns:
         ``x`` with ``sum(sizes)`` tokens along ``seq_dim``, token ``i`` at index ``i``. Its gradient
         reaches each rank's ``x`` summed over the ranks (a ``reduce_scatter``).
+
+    Raises:
+        ValueError: on every rank, when the ranks' dtypes or shapes differ (naming them and the
+            ranks) or one rank's arguments are wrong (that rank says which).
     """
     size, rank = group_size_and_rank(group)
+    refused = None
     if len(sizes) != size:
-        raise ValueError(f"sizes must have one entry per rank ({size}), got {len(sizes)}")
-    if not isinstance(x, Tensor) or not -x.dim() <= seq_dim < x.dim():
-        raise ValueError(f"seq_dim must name an axis of x, got {seq_dim} for x of shape {getattr(x, 'shape', x)}")
-    seq_dim %= x.dim()
-    if not isinstance(order, Tensor) or order.dim() != 1 or order.numel() != sum(sizes):
-        raise ValueError(f"order must be a 1-D tensor of sum(sizes) = {sum(sizes)} indices, got {order!r:.80}")
-    if x.shape[seq_dim] != sizes[rank]:
-        raise ValueError(
+        refused = ValueError(f"sizes must have one entry per rank ({size}), got {len(sizes)}")
+    elif not isinstance(x, Tensor) or isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or (
+        not -x.dim() <= seq_dim < x.dim()
+    ):
+        refused = ValueError(f"seq_dim must name an axis of x, got {seq_dim} for x of shape "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+    elif not isinstance(order, Tensor) or order.dim() != 1 or order.numel() != sum(sizes):
+        refused = ValueError(f"order must be a 1-D tensor of sum(sizes) = {sum(sizes)} indices, got {order!r:.80}")
+    elif x.shape[seq_dim] != sizes[rank]:
+        refused = ValueError(
             f"x must hold this rank's {sizes[rank]} tokens along seq_dim={seq_dim}, got {x.shape[seq_dim]} "
             f"(shape {tuple(x.shape)})"
         )
+    elif x.dtype not in _DTYPES:
+        refused = TypeError(f"x has dtype {x.dtype}, which cannot be gathered")
+    seq_dim = seq_dim % x.dim() if refused is None else 0
+    _agree_on_layout(x, seq_dim, refused, group)
     return _GatherSequence.apply(x, seq_dim, tuple(sizes), order, rank, group)

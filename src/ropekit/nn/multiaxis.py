@@ -28,24 +28,35 @@ from torch import nn
 from ..functional import apply_rotary, apply_rotary_qk
 from ..rope.axes import AxisPlan, matrix_angles
 from ..validation import check_axis_positions, check_even_positive, check_layout, check_positive_float, positive_int
+from .rotary import against_x, position_batch_axis
 
 
-def _table_view(x: torch.Tensor, cos: torch.Tensor, seq_dim: int, lead: int) -> list[int]:
-    """The shape that puts tables ``(*batch, seq, pairs)`` against ``x``: batch first, seq on ``seq_dim``."""
-    ndim = x.dim()
+def _tables_against(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    seq_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables ``(*batch, seq, pairs)`` viewed against ``x``: seq on ``seq_dim``, the batch on x's batch axis.
+
+    One batch axis goes where :func:`ropekit.rotate` puts it (after the sequence axis for
+    ``(seq, batch, heads, head_dim)``); more leading table axes go with x's leading axes.
+    """
+    ndim, lead = x.dim(), cos.dim() - 2
     if not isinstance(seq_dim, int) or isinstance(seq_dim, bool) or not -ndim <= seq_dim < ndim - 1:
         raise ValueError(f"seq_dim must name an axis of x other than the last, got {seq_dim} for {ndim}-D x")
     axis = seq_dim % ndim
-    if axis < lead:
-        raise ValueError(f"seq_dim={seq_dim} leaves no room for the tables' {lead} leading dimension(s) before it")
     if cos.shape[-2] != x.shape[axis]:
         raise ValueError(f"positions cover {cos.shape[-2]} tokens but x has {x.shape[axis]} along seq_dim={seq_dim}")
+    if lead <= 1:
+        if lead == 1 and position_batch_axis(ndim, axis) is None:
+            raise ValueError(f"batched positions need a batch axis in x, and x of shape {tuple(x.shape)} with "
+                             f"seq_dim={seq_dim} has none")
+        return against_x(x, cos, axis), against_x(x, sin, axis)
+    if axis < lead:
+        raise ValueError(f"seq_dim={seq_dim} leaves no room for the tables' {lead} leading dimension(s) before it")
     view = [1] * ndim
     view[axis] = x.shape[axis]
     view[-1] = cos.shape[-1]
-    for i in range(lead):  # a batch of position rows goes with x's leading (batch) axis
+    for i in range(lead):  # leading table axes go with x's leading axes
         view[i] = cos.shape[i]
-    return view
+    return cos.reshape(view), sin.reshape(view)
 
 
 class MultiAxisRotaryEmbedding(nn.Module):
@@ -118,8 +129,7 @@ class MultiAxisRotaryEmbedding(nn.Module):
             cos, sin = self.plan.cos_sin(positions.to(q.device))
         else:
             cos, sin = tables
-        view = _table_view(q, cos, seq_dim, cos.dim() - 2)
-        cos, sin = cos.reshape(view), sin.reshape(view)
+        cos, sin = _tables_against(q, cos, sin, seq_dim)
         if k is None:
             return apply_rotary(q, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend), None
         return apply_rotary_qk(q, k, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)

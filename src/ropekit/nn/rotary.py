@@ -9,6 +9,7 @@ from torch import nn
 
 from ..config.rules import inv_frequencies
 from ..functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
+from ..ops.positions import qk_axes
 from ..rope.frequencies import cos_sin
 from ..validation import check_even_positive, check_layout, check_positions, check_positive_float, is_dtensor
 
@@ -17,6 +18,34 @@ _MIN_TABLE = 256
 # positions are computed for the tokens that need them, so no position id can make the module
 # allocate more than the tokens it rotates.
 MAX_CACHED_POSITIONS = 1 << 16
+
+
+def position_batch_axis(ndim: int, seq_axis: int) -> int | None:
+    """The axis of x that the batch of ``(batch, seq)`` positions goes with (None: x has none).
+
+    For 2- to 4-D x the axis :func:`ropekit.rotate` takes (``(seq, batch, heads, head_dim)``
+    puts it after the sequence axis); for more dims axis 0, which must precede the sequence axis.
+    """
+    if 2 <= ndim <= 4:
+        return qk_axes(ndim, seq_axis)[0]
+    return 0 if seq_axis > 0 else None
+
+
+def against_x(x: torch.Tensor, values: torch.Tensor, seq_axis: int) -> torch.Tensor:
+    """Per-token ``values`` ``(seq, c)`` or ``(batch, seq, c)`` viewed with ``x.dim()`` dims to broadcast against x.
+
+    The sequence goes on ``seq_axis``, the batch on :func:`position_batch_axis` (transposed
+    when that axis comes after the sequence axis), ``c`` on the last axis.
+    """
+    view = [1] * x.dim()
+    view[seq_axis] = x.shape[seq_axis]
+    view[-1] = values.shape[-1]
+    if values.dim() == 3:
+        batch_axis = position_batch_axis(x.dim(), seq_axis)
+        view[batch_axis] = values.shape[0]
+        if batch_axis > seq_axis:
+            values = values.transpose(0, 1)
+    return values.reshape(view)
 
 
 def _round_up_pow2(n: int) -> int:
@@ -206,10 +235,13 @@ class RotaryEmbedding(nn.Module):
         axis = seq_dim % ndim
         pos, needed = self._positions(x.shape[axis], positions, offset, x.device)
         if pos.dim() == 2:
-            if axis == 0:
-                raise ValueError("batched positions (batch, seq) need a batch axis before the sequence axis")
-            if pos.shape[0] not in (1, x.shape[0]):
-                raise ValueError(f"positions has batch {pos.shape[0]} but x has batch {x.shape[0]}")
+            batch_axis = position_batch_axis(ndim, axis)
+            if batch_axis is None:
+                raise ValueError(f"batched positions (batch, seq) need a batch axis in x, and x of shape "
+                                 f"{tuple(x.shape)} with seq_dim={seq_dim} has none")
+            if pos.shape[0] not in (1, x.shape[batch_axis]):
+                raise ValueError(f"positions has batch {pos.shape[0]} but x has batch {x.shape[batch_axis]} "
+                                 f"(axis {batch_axis})")
         return axis, pos, needed
 
     def _broadcast_tables(
@@ -218,12 +250,7 @@ class RotaryEmbedding(nn.Module):
         """Validate ``x`` and return cos/sin viewed with ``x.dim()`` dimensions for :func:`apply_rotary`."""
         axis, pos, needed = self._checked_positions(x, positions, offset, seq_dim)
         cos, sin = self._gather(pos, needed, seq_len)
-        view = [1] * x.dim()
-        view[axis] = x.shape[axis]
-        view[-1] = self.rotary_dim // 2
-        if pos.dim() == 2:
-            view[0] = pos.shape[0]
-        return cos.reshape(view), sin.reshape(view)
+        return against_x(x, cos, axis), against_x(x, sin, axis)
 
     def _table_rows(
         self, x: torch.Tensor, positions: torch.Tensor | None, offset: Any, seq_dim: int, seq_len: int | None

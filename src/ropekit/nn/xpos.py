@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..validation import check_positive_float, is_dtensor
-from .rotary import MAX_CACHED_POSITIONS, RotaryEmbedding
+from .rotary import MAX_CACHED_POSITIONS, RotaryEmbedding, against_x
 
 #: The largest ``|exponent|`` of a scale factor: ``exp(80)`` is about 5.5e34, below float32's 3.4e38.
 MAX_LOG_SCALE = 80.0
@@ -138,13 +138,8 @@ class XPosEmbedding(RotaryEmbedding):
             rotary = pairs.repeat_interleave(2, dim=-1)
         tail = rotary.new_zeros(*rotary.shape[:-1], self.head_dim - self.rotary_dim)
         channel = torch.cat((rotary, tail), dim=-1).exp()  # (seq, head_dim) or (batch, seq, head_dim)
-        view = [1] * x.dim()
-        view[axis] = x.shape[axis]
-        view[-1] = self.head_dim
-        if pos.dim() == 2:
-            view[0] = pos.shape[0]
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return channel.reshape(view).to(work)
+        return against_x(x, channel, axis).to(work)
 
     def _scaled(self, x: torch.Tensor, rotated: torch.Tensor, positions, offset, seq_dim, key: bool,
                 inplace: bool) -> torch.Tensor:

@@ -60,7 +60,12 @@ class Positions:
     seq_dim: int
 
     def table_rows(self, x: Tensor) -> Tensor:
-        """int64 row of each token of ``x``, shaped to broadcast against ``x.shape[:-1]``."""
+        """int64 row of each token of ``x``, shaped to broadcast against ``x.shape[:-1]``.
+
+        Per-row positions and offsets are ``(batch, seq)`` whatever the order of x's axes: row
+        ``[b, t]`` goes to x's batch index ``b`` and sequence index ``t`` (for ``(seq, batch, heads,
+        head_dim)`` x that is a transpose, not a reshape).
+        """
         batch_axis, seq_axis, _ = qk_axes(x.dim(), self.seq_dim)
         shape = [1] * (x.dim() - 1)
         shape[seq_axis] = tokens = x.shape[seq_axis]
@@ -79,6 +84,8 @@ class Positions:
             rows = self.offsets.long().reshape(-1, 1) + steps + self.offset
         if rows.dim() == 2 and batch_axis is not None:
             shape[batch_axis] = rows.shape[0]
+            if batch_axis > seq_axis:  # (seq, batch, ...): rows are (batch, seq), x's axes the other way round
+                rows = rows.transpose(0, 1)
         return rows.reshape(shape)
 
 
