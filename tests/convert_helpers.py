@@ -83,8 +83,8 @@ def assert_identical(a, b):
 
 
 def cli(*argv, cwd=None, timeout=300):
-    """``python -m ropekit.cli convert ARGV`` as a real subprocess (the same environment, threads pinned)."""
-    return subprocess.run([sys.executable, "-m", "ropekit.cli", "convert", *map(str, argv)], capture_output=True,
+    """``python -m ropekit convert ARGV`` as a real subprocess (the same environment, threads pinned)."""
+    return subprocess.run([sys.executable, "-m", "ropekit", "convert", *map(str, argv)], capture_output=True,
                           text=True, env=ENV, cwd=cwd, timeout=timeout)
 
 

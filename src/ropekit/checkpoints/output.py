@@ -14,7 +14,10 @@ never a mix of old and new files. Its staging directory is removed by the next r
 Refused before anything is written: DST that is, holds or replaces an input file; an existing
 output without ``force``; a directory DST that is not empty and does not look like a converted
 checkpoint (files only, with weights) -- ``force`` replaces such a directory as a whole and will
-not delete anything else.
+not delete anything else; DST that is a device, a named pipe or a socket, with ``force`` or not.
+
+A carried file is copied from its checked source (a link must stay inside SRC, see
+:mod:`.source_links`) and gets no permission bit its source lacks: a ``0o600`` token stays ``0o600``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from .. import files
 from . import storage as checkpoint_io
+from .source_links import open_source
 from .storage import INDEX_NAMES, SHARD_SUFFIXES, Checkpoint, carried_files, safetensors_name
 
 
@@ -69,6 +73,7 @@ def _holds_checkpoint(directory: Path) -> bool:
 
 
 def _check_directory_dst(dst: Path, inputs: list[Path], force: bool) -> None:
+    files.check_not_special(dst, "DST")
     real = Path(os.path.realpath(dst))
     for path in inputs:
         if _inside(path, real):
@@ -91,6 +96,7 @@ def _check_directory_dst(dst: Path, inputs: list[Path], force: bool) -> None:
 
 
 def _check_file_dst(dst: Path, inputs: list[Path], force: bool) -> None:
+    files.check_not_special(dst, "DST")
     real = Path(os.path.realpath(dst))
     for path in inputs:
         if real == path or (dst.exists() and path.exists() and dst.samefile(path)):
@@ -125,6 +131,17 @@ def _save(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Callabl
     return lambda path: checkpoint_io.save_safetensors(tensors, str(path), metadata)
 
 
+def _copy_carried(source: Path, directory: Path, path: Path) -> None:
+    """Copy the carried file ``source`` of SRC ``directory`` to the staged ``path``, with at most its source's mode."""
+    fd, mode = open_source(source, directory)
+    with os.fdopen(fd, "rb") as reader:
+        def copy(target: Path) -> None:
+            with open(target, "r+b") as writer:
+                shutil.copyfileobj(reader, writer, 1 << 20)
+
+        files.write_file(path, copy, mode_limit=mode)
+
+
 def write_output(
     plan: OutputPlan,
     ckpt: Checkpoint,
@@ -154,7 +171,7 @@ def write_output(
             text = json.dumps(index, indent=2, sort_keys=True) + "\n"
             files.write_file(root / plan.index_name, lambda path: path.write_text(text, encoding="utf-8"))
         for source in plan.carried:
-            files.write_file(root / source.name, lambda path, source=source: shutil.copyfile(source, path))
+            _copy_carried(source, ckpt.directory, root / source.name)
         staged = root if plan.is_directory else root / plan.dst.name
         if check is not None and not check(staged):
             return []

@@ -10,7 +10,10 @@ treated as untrusted:
 * ``.bin`` / ``.pth`` / ``.pt`` files are read with ``torch.load(weights_only=True)``, which
   refuses pickles holding anything but tensors and plain containers;
 * an unreadable file (empty, truncated, not the format its name says) is a one-line ``ValueError``
-  naming the file.
+  naming the file;
+* a file of a source directory (a shard, the index, a file carried to the output) that is a
+  symbolic link leading out of the directory is refused, except the Hugging Face cache's
+  ``snapshots/<rev>/file -> ../../blobs/<hash>`` (:mod:`.source_links`).
 
 Writing goes through :mod:`ropekit.files` (see :mod:`ropekit.checkpoints.output`).
 """
@@ -26,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .source_links import checked_target
 
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 TORCH_SUFFIXES = (".bin", ".pth", ".pt")
@@ -167,6 +172,8 @@ def _load_sharded(path: Path) -> Checkpoint:
     missing = [name for name in shard_names if not (path.parent / name).is_file()]
     if missing:
         raise ValueError(f"{path}: shard files listed in weight_map are missing: {missing}")
+    for name in shard_names:
+        checked_target(path.parent / name, path.parent)
     shards = [_load_file(path.parent / name) for name in shard_names]
     for shard in shards:
         for name in shard.tensors:
@@ -192,7 +199,9 @@ def load_checkpoint(src: str | os.PathLike) -> Checkpoint:
         raise ValueError(f"SRC does not exist: {path}")
     whole_directory = path.is_dir()
     if whole_directory:
-        path = _find_in_dir(path)
+        found = _find_in_dir(path)
+        checked_target(found, path)
+        path = found
     if path.name.endswith(".index.json"):
         return _load_sharded(path)
     return Checkpoint([_load_file(path)], None, None, [path], path.parent, whole_directory=whole_directory)
@@ -201,9 +210,11 @@ def load_checkpoint(src: str | os.PathLike) -> Checkpoint:
 def carried_files(ckpt: Checkpoint) -> tuple[list[Path], list[str]]:
     """``(files to copy, skipped)``: the non-weight files of the model directory an output directory receives.
 
-    Only when SRC named a directory or an index: every regular file at its top level (symlinks
-    followed, hidden files left out) except the inputs and weight files of any format (another
-    format's copy of the weights would not be converted); ``skipped`` names those left out.
+    Only when SRC named a directory or an index: every regular file at its top level (hidden files
+    left out) except the inputs and weight files of any format (another format's copy of the
+    weights would not be converted); ``skipped`` names those left out. A symbolic link is followed
+    only inside SRC (or its Hugging Face cache, :mod:`.source_links`); one that leads out of it is
+    a ``ValueError``.
     """
     if not ckpt.whole_directory or ckpt.directory is None:
         return [], []
@@ -215,6 +226,7 @@ def carried_files(ckpt: Checkpoint) -> tuple[list[Path], list[str]]:
         if path.name.endswith(WEIGHT_SUFFIXES):
             skipped.append(path.name)
         else:
+            checked_target(path, ckpt.directory)
             carried.append(path)
     return carried, skipped
 

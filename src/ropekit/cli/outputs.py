@@ -5,7 +5,8 @@ A verb declares its outputs on its parser (:func:`add_out_argument`, :func:`decl
 
 - fails in a fraction of a second, before importing torch or computing anything, when an output
   cannot be written: a ``--out`` that is a file, that lies under a file, or whose folder refuses a
-  new file (permissions, a read-only file system);
+  new file (permissions, a read-only file system); an output file that is a device, a named pipe
+  or a socket (``--png /dev/null``), which a tool never replaces;
 - leaves no empty folder behind when it fails or is interrupted: the folders it created are
   removed again if they hold nothing; a folder that existed before is never touched.
 
@@ -21,6 +22,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+
+from ..files import check_not_special
 
 _DIRS, _FILES = "output_dirs", "output_files"  # parser defaults naming the output arguments (dest, option)
 
@@ -49,7 +52,8 @@ def _probe(directory: Path, option: str, shown: str) -> None:
 
 
 def check_output_file(path: str, option: str) -> None:
-    """``path`` must not be a folder, and its folder must exist and accept a new file; else ``ValueError``."""
+    """``path``: not a folder, device, pipe or socket; its folder must exist and take a new file; else ValueError."""
+    check_not_special(path, option)
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"{option} must be a file path, got the directory {path!r}")

@@ -4,7 +4,8 @@ Every source is checked before its weights are loaded: the directory or file exi
 reads its config, and the model family is one :func:`ropekit.integrations.transformers.patch`
 supports (checked on a copy built on the ``meta`` device: no memory, no time). What transformers
 refuses becomes one ``ValueError`` naming the option, so the command line prints one line.
-Remote code is never run (``trust_remote_code`` stays off).
+Remote code is never run: every transformers call passes ``trust_remote_code=False``, and a
+folder that needs its own code is refused before loading (:mod:`ropekit.lab.remote_code`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from ..integrations.transformers import patchable_modules
+from .remote_code import NO_REMOTE_CODE, refuse_remote_code
 
 _TRANSFORMERS_ERRORS = (ValueError, KeyError, OSError, TypeError, ImportError, AttributeError)
 
@@ -50,7 +52,7 @@ def _check_family(config: Any, option: str, shown: str) -> None:
 
     try:
         with torch.device("meta"):
-            skeleton = transformers.AutoModelForCausalLM.from_config(config)
+            skeleton = transformers.AutoModelForCausalLM.from_config(config, **NO_REMOTE_CODE)
     except _TRANSFORMERS_ERRORS as exc:
         raise ValueError(f"{option} {shown!r}: transformers has no causal LM for model_type "
                          f"{getattr(config, 'model_type', None)!r} ({_one_line(exc)})") from None
@@ -66,18 +68,19 @@ def _load(location: Path, option: str, shown: str, **kwargs: Any) -> tuple[Any, 
     import transformers
 
     try:
-        config = transformers.AutoConfig.from_pretrained(location, **kwargs)
+        config = transformers.AutoConfig.from_pretrained(location, **kwargs, **NO_REMOTE_CODE)
     except _TRANSFORMERS_ERRORS as exc:
         raise ValueError(f"{option} {shown!r}: transformers cannot read its config ({_one_line(exc)})") from None
     _check_family(config, option, shown)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(location, **kwargs)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(location, **kwargs, **NO_REMOTE_CODE)
     except _TRANSFORMERS_ERRORS as exc:
         raise ValueError(f"{option} {shown!r}: no tokenizer transformers can load ({_one_line(exc)})") from None
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # the probe draws its own bar; one line per step is noise
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **kwargs).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **kwargs,
+                                                                   **NO_REMOTE_CODE).eval()
     except _TRANSFORMERS_ERRORS as exc:
         raise ValueError(f"{option} {shown!r}: transformers cannot load the weights ({_one_line(exc)})") from None
     finally:
@@ -97,6 +100,7 @@ def load_model_dir(path: str | Path, option: str = "--model") -> LoadedModel:
                          "config.json; use --gguf for a .gguf file)")
     if not (directory / "config.json").is_file():
         raise ValueError(f"{option} {str(path)!r}: no config.json in it: not a transformers model directory")
+    refuse_remote_code(directory, option, str(path))
     model, tokenizer = _load(directory, option, str(path))
     return LoadedModel(model, tokenizer, "model", str(directory), seconds=time.perf_counter() - start)
 

