@@ -137,6 +137,11 @@ void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Te
     // h <= head_dim / 2, not 2 * h <= head_dim: a huge (empty) table must not wrap around
     TORCH_CHECK_VALUE(cos_in.size(-1) <= x.size(-1) / 2, "ropekit_cpu: rotary_dim 2 * ", cos_in.size(-1),
                       " exceeds head_dim ", x.size(-1));
+    for (int64_t d = x.dim() - cos_in.dim(); d < x.dim() - 1; d++) {  // empty or not, the tables must fit x
+        const int64_t t = d - (x.dim() - cos_in.dim());
+        TORCH_CHECK_VALUE(cos_in.size(t) == 1 || cos_in.size(t) == x.size(d), "ropekit_cpu: cos/sin ",
+                          cos_in.sizes(), " do not broadcast to x ", x.sizes());
+    }
     if (x.numel() == 0) return;  // nothing read or written: any strides
     TORCH_CHECK(x.stride(-1) == 1 || x.size(-1) <= 1, "ropekit_cpu: x must have unit channel stride");
     TORCH_CHECK(out.stride(-1) == 1 || out.size(-1) <= 1, "ropekit_cpu: out must have unit channel stride");
