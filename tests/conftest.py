@@ -24,6 +24,28 @@ settings.register_profile("thorough", parent=settings.get_profile("ropekit"), ma
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ropekit"))
 
 
+def native_required() -> bool:
+    """``ROPEKIT_REQUIRE_NATIVE`` set to anything but empty or 0 (CI sets it)."""
+    return os.environ.get("ROPEKIT_REQUIRE_NATIVE", "") not in ("", "0")
+
+
+def pytest_sessionstart(session):
+    """With ``ROPEKIT_REQUIRE_NATIVE=1``, a session whose C++ CPU kernel cannot load fails at once.
+
+    Otherwise the ~150 cases that need the kernel skip (``"cpu" not in ops.available()``) and a
+    run where the extension does not build would pass: CI must see that as a failure.
+    """
+    if not native_required():
+        return
+    from ropekit import ops
+    from ropekit.ops import dispatch
+
+    if "cpu" not in ops.available():
+        reason = getattr(dispatch._builtin("cpu"), "error", None) or "no C++ backend registered"
+        pytest.exit(f"ROPEKIT_REQUIRE_NATIVE is set but ropekit's C++ CPU kernel is unavailable: {reason}",
+                    returncode=3)
+
+
 @pytest.fixture(autouse=True)
 def _seed_torch():
     """Tests that draw from torch's global generator see the same numbers on every run."""

@@ -32,6 +32,7 @@ from ..validation import (
     check_positive_float,
 )
 
+_INT64_END = 2**63  # slots are int64: every slot is below this
 _PREPARED_MAX = 256
 _prepared: dict[tuple, object] = {}
 on_register(lambda: _prepared.clear())
@@ -55,8 +56,14 @@ def _call_key(k, v, cos, sin, k_cache, v_cache, k_weight, slots, options: tuple)
     return key
 
 
-def _check_slots(slots, k: Tensor, paged: bool) -> tuple[Tensor | None, int]:
-    """``(slots tensor or None, start)`` from an int or an integer tensor of the layout's shape."""
+def _check_slots(slots, k: Tensor, paged: bool, k_cache: Tensor | None = None) -> tuple[Tensor | None, int]:
+    """``(slots tensor or None, start)`` from an int or an integer tensor of the layout's shape.
+
+    With ``k_cache`` (the layout already checked by :func:`_check_caches`), every slot is also
+    range-checked against it, so that no backend is handed a slot outside the cache: contiguous
+    starts in ``[0, max_length - seq]``, paged slots below ``num_blocks * block_size`` (negative:
+    padding). A CUDA slots tensor is read back for this.
+    """
     if isinstance(slots, bool) or not isinstance(slots, (int, Tensor)):
         raise TypeError(f"slots must be an int or an integer tensor, got {type(slots).__name__}")
     if isinstance(slots, int):
@@ -65,6 +72,8 @@ def _check_slots(slots, k: Tensor, paged: bool) -> tuple[Tensor | None, int]:
                              f"got the int {slots}")
         if slots < 0:
             raise ValueError(f"slots must be >= 0, got {slots}")
+        if k_cache is not None:
+            _check_slot_range(slots, slots, k, k_cache, paged)
         return None, slots
     if slots.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"slots must be an int32 or int64 tensor, got {slots.dtype}")
@@ -74,7 +83,25 @@ def _check_slots(slots, k: Tensor, paged: bool) -> tuple[Tensor | None, int]:
         raise ValueError(f"slots must have shape {what} = {shapes[-1]}, got {tuple(slots.shape)}")
     if slots.device != k.device:
         raise ValueError(f"slots is on {slots.device} but k is on {k.device}")
+    if k_cache is not None and slots.numel():
+        low, high = torch.aminmax(slots.reshape(-1))
+        _check_slot_range(int(low), int(high), k, k_cache, paged)
     return slots, 0
+
+
+def _check_slot_range(low: int, high: int, k: Tensor, k_cache: Tensor, paged: bool) -> None:
+    """Raise ValueError unless the slots ``[low, high]`` fit the cache (see :func:`_check_slots`)."""
+    if paged:
+        capacity = k_cache.shape[0] * k_cache.shape[1]
+        if high >= capacity:
+            raise ValueError(f"slots must be below num_blocks * block_size = {capacity} (negative: padding), got a "
+                             f"slot {high}")
+        return
+    seq, length = k.shape[2], k_cache.shape[2]
+    if low < 0 or high > length - seq:
+        bad = low if low < 0 else high
+        raise ValueError(f"slots must be starts in [0, max_length - seq] = [0, {length - seq}] (k_cache holds "
+                         f"{length} positions, k {seq} new tokens), got {bad}")
 
 
 def _check_caches(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, block_size: int | None) -> int:
@@ -165,7 +192,7 @@ def rotate_into_cache(
             pass  # the checks below name the argument (or this call raises the kernel's error again)
     check_layout(layout)
     paged_block = _check_caches(k, v, k_cache, v_cache, block_size)
-    slot_tensor, start = _check_slots(slots, k, paged_block > 0)
+    slot_tensor, start = _check_slots(slots, k, paged_block > 0, k_cache)
     per_token = check_norm(norm)
     weight_offset = check_finite_float(weight_offset, "weight_offset")
     if eps is not None:
@@ -202,14 +229,18 @@ def slot_mapping(block_table: Tensor, positions: Tensor, block_size: int) -> Ten
     Args:
         block_table: integer ``(batch, max_blocks)``, the cache blocks of each sequence in order.
         positions: integer ``(batch, seq)`` positions of the tokens to write.
-        block_size: rows per block.
+        block_size: rows per block, below 2**63.
+
+    Raises:
+        ValueError: a position past the blocks of its row of ``block_table``, or a block id (at a
+            non-negative position) that is negative or whose slots would not fit in int64.
 
     Returns:
         int64 ``(batch * seq,)`` slots, for :func:`rotate_into_cache` with k of shape
         ``(batch * seq, kv_heads, head_dim)``.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size < _INT64_END:
+        raise ValueError(f"block_size must be a positive int below 2**63, got {block_size!r}")
     for name, t in (("block_table", block_table), ("positions", positions)):
         if not isinstance(t, Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t).__name__)}")
@@ -223,5 +254,13 @@ def slot_mapping(block_table: Tensor, positions: Tensor, block_size: int) -> Ten
     if bool((block_index >= block_table.shape[1]).any()):
         raise ValueError(f"positions reach block {int(block_index.max())}, past the {block_table.shape[1]} blocks of "
                          "block_table")
-    blocks = torch.gather(block_table.to(torch.int64), 1, block_index)
+    blocks = torch.where(valid, torch.gather(block_table.to(torch.int64), 1, block_index), 0)
+    # a slot must be a non-negative int64: a negative block would read as padding (the token
+    # dropped), one past this bound would wrap around into another sequence's blocks
+    last_block = (_INT64_END - block_size) // block_size
+    bad = (blocks < 0) | (blocks > last_block)
+    if bool(bad.any()):
+        b, p = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"block_table must hold block ids in [0, {last_block}] for block_size={block_size} "
+                         f"(slots are int64), got {int(blocks[b, p])} for sequence {b}, position {int(pos[b, p])}")
     return torch.where(valid, blocks * block_size + pos % block_size, -1).reshape(-1)

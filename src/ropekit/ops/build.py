@@ -138,7 +138,7 @@ def builds(cxx: Path, extra_flags: tuple[str, ...] = (), namespace: str = DEFAUL
     for flags in flag_lists:
         key = hashlib.sha256(b"\0".join([*common, " ".join(flags).encode()])).hexdigest()[:16]
         name = f"ropekit_cpu_{key}"
-        link_flags = tuple(f for f in flags if f in OPENMP_FLAGS)
+        link_flags = tuple(f for f in flags if f in OPENMP_FLAGS or f.startswith("-fsanitize"))
         result.append(Build(name, flags, namespace, cache_root() / name, link_flags))
     return result
 
@@ -181,6 +181,23 @@ def _kill_group(process: subprocess.Popen) -> None:
         process.kill()
 
 
+def asan_preload(cxx: Path) -> str:
+    """``LD_PRELOAD`` for a process that loads an AddressSanitizer build made with ``cxx``.
+
+    The compiler's own ``libasan`` (it must come first), then its ``libstdc++``: the sanitizer
+    resolves ``__cxa_throw`` when it starts, and a Python process has not loaded libstdc++ yet
+    (without it, the first C++ exception of an extension, triton's for one, aborts the process).
+    """
+    paths = []
+    for name in ("libasan.so", "libstdc++.so"):
+        found = subprocess.run([str(cxx), f"-print-file-name={name}"], capture_output=True, text=True,
+                               check=False).stdout.strip()
+        if not os.path.isabs(found) or not os.path.exists(found):
+            raise RuntimeError(f"{cxx} has no {name} (it answered {found!r})")
+        paths.append(os.path.realpath(found))
+    return " ".join(paths)
+
+
 def build_in_child(candidates: list[Build], timeout_s: float) -> Build:
     """Build the first candidate that compiles, in a child process killed after ``timeout_s`` seconds."""
     root = _private_dir(cache_root())
@@ -188,9 +205,14 @@ def build_in_child(candidates: list[Build], timeout_s: float) -> Build:
     specs = [f"{b.name}|{b.namespace}|{' '.join(b.flags)}|{' '.join(b.link_flags)}" for b in candidates]
     command = [sys.executable, "-m", "ropekit.ops.build", "--child", str(scratch),
                *(f"--candidate={spec}" for spec in specs)]
+    # the child imports this very package (not another copy on its path): it compiles these sources
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    if any("-fsanitize=address" in b.flags for b in candidates):  # cpp_extension loads what it built
+        env.update(LD_PRELOAD=asan_preload(compiler()), ASAN_OPTIONS="detect_leaks=0")
     try:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True)
+                                   start_new_session=True, env=env)
         try:
             out, err = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -216,6 +238,18 @@ def load(extra_flags: tuple[str, ...] = (), namespace: str = DEFAULT_NAMESPACE, 
         RuntimeError: disabled, no compiler, the build failed or timed out, or the cache is
             not trustworthy (:class:`UntrustedCache`); the message says which.
     """
+    found = ensure_built(extra_flags, namespace, quiet=quiet)
+    import_library(found)
+    return found
+
+
+def ensure_built(extra_flags: tuple[str, ...] = (), namespace: str = DEFAULT_NAMESPACE, *,
+                 quiet: bool = False) -> Build:
+    """The kernel built with ``extra_flags`` after the defaults (its own cache key), without loading it.
+
+    A sanitizer build (``-fsanitize=address``: the flag is passed to the linker as well) is built
+    here and loaded by another process that preloads the sanitizer's runtime. Raises as :func:`load`.
+    """
     if disabled():
         raise RuntimeError("disabled by ROPEKIT_DISABLE_NATIVE")
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64") or sys.byteorder != "little":
@@ -240,7 +274,6 @@ def load(extra_flags: tuple[str, ...] = (), namespace: str = DEFAULT_NAMESPACE, 
         check_trusted(found.library)
         if not quiet:
             print(f"ropekit: C++ CPU kernel built in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
-    import_library(found)
     return found
 
 

@@ -130,12 +130,21 @@ void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Te
                 "ropekit_cpu: x, its output and the tables must be CPU tensors");
     TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.sizes() == out.sizes(),
                 "ropekit_cpu: the output must have x's shape and dtype");
-    TORCH_CHECK(cos_in.dim() >= 1 && cos_in.dim() <= x.dim() && sin_in.sizes() == cos_in.sizes(),
-                "ropekit_cpu: cos/sin of shape ", cos_in.sizes(), " and ", sin_in.sizes(), " do not fit x ", x.sizes());
-    TORCH_CHECK(2 * cos_in.size(-1) <= x.size(-1), "ropekit_cpu: rotary_dim exceeds head_dim");
+    TORCH_CHECK_VALUE(x.dim() >= 1, "ropekit_cpu: x needs a channel axis, got a scalar");
+    TORCH_CHECK_VALUE(cos_in.dim() >= 1 && cos_in.dim() <= x.dim() && sin_in.sizes() == cos_in.sizes(),
+                      "ropekit_cpu: cos/sin of shape ", cos_in.sizes(), " and ", sin_in.sizes(), " do not fit x ",
+                      x.sizes());
+    // h <= head_dim / 2, not 2 * h <= head_dim: a huge (empty) table must not wrap around
+    TORCH_CHECK_VALUE(cos_in.size(-1) <= x.size(-1) / 2, "ropekit_cpu: rotary_dim 2 * ", cos_in.size(-1),
+                      " exceeds head_dim ", x.size(-1));
+    for (int64_t d = x.dim() - cos_in.dim(); d < x.dim() - 1; d++) {  // empty or not, the tables must fit x
+        const int64_t t = d - (x.dim() - cos_in.dim());
+        TORCH_CHECK_VALUE(cos_in.size(t) == 1 || cos_in.size(t) == x.size(d), "ropekit_cpu: cos/sin ",
+                          cos_in.sizes(), " do not broadcast to x ", x.sizes());
+    }
+    if (x.numel() == 0) return;  // nothing read or written: any strides
     TORCH_CHECK(x.stride(-1) == 1 || x.size(-1) <= 1, "ropekit_cpu: x must have unit channel stride");
     TORCH_CHECK(out.stride(-1) == 1 || out.size(-1) <= 1, "ropekit_cpu: out must have unit channel stride");
-    if (x.numel() == 0) return;
     const at::ScalarType work = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     const Tensor cos = work_table(cos_in, work), sin = work_table(sin_in, work);
     const int64_t lead = x.dim() - 1, shift = x.dim() - cos.dim();
@@ -146,7 +155,7 @@ void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Te
         Dim dim{x.size(d), {x.stride(d), out.stride(d), 0, 0}};
         const int64_t t = d - shift;
         if (t >= 0 && cos.size(t) != 1) {
-            TORCH_CHECK(cos.size(t) == x.size(d), "ropekit_cpu: cos/sin ", cos.sizes(), " do not broadcast to x ",
+            TORCH_CHECK_VALUE(cos.size(t) == x.size(d), "ropekit_cpu: cos/sin ", cos.sizes(), " do not broadcast to x ",
                         x.sizes());
             dim.stride[2] = cos.stride(t);
             dim.stride[3] = sin.stride(t);
@@ -174,6 +183,9 @@ void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Te
         return;
     }
     if (norm) {
+        // the gains the kernel reads: n of them, n = head_dim (times the heads walked inside a row)
+        TORCH_CHECK(norm->n == x.size(-1) * (head_axis >= 0 ? job.norm.heads : 1),
+                    "ropekit_cpu: the norm's gains do not fit x (a bug in ropekit)");
         job.norm_fn = norm_function(x.scalar_type());
         job.norm.gains = norm->gains;
         job.norm.eps = norm->eps;

@@ -51,8 +51,10 @@ struct Norm {
 };
 
 Norm make_norm(const Tensor &x, const c10::optional<Tensor> &weight, double eps, double offset, int64_t head_axis) {
-    TORCH_CHECK(x.dim() >= 1, "ropekit_cpu: x needs a channel axis");
-    const int64_t n = x.size(-1) * (head_axis >= 0 ? x.size(head_axis) : 1);
+    TORCH_CHECK_VALUE(x.dim() >= 1, "ropekit_cpu: x needs a channel axis");
+    int64_t n = x.size(-1);
+    TORCH_CHECK_VALUE(head_axis < 0 || !__builtin_mul_overflow(n, x.size(head_axis), &n),
+                      "ropekit_cpu: the norm spans more than 2**63 channels: ", x.sizes());
     Norm norm;
     norm.spec.eps = eps;
     norm.spec.head_axis = head_axis;
@@ -208,7 +210,9 @@ Tensor token_rows(const Tensor &table, int64_t t0, int64_t n) {
 }
 
 std::vector<int64_t> slot_values(const Tensor &slots) {
-    TORCH_CHECK(slots.device().is_cpu(), "ropekit_cpu: slots must be a CPU tensor, got one on ", slots.device());
+    TORCH_CHECK_VALUE(slots.device().is_cpu(), "ropekit_cpu: slots must be a CPU tensor, got one on ", slots.device());
+    TORCH_CHECK_TYPE(at::isIntegralType(slots.scalar_type(), /*includeBool=*/false),
+                     "ropekit_cpu: slots must be an integer tensor, got ", slots.scalar_type());
     const Tensor values = slots.scalar_type() == at::kLong ? slots.contiguous() : slots.to(at::kLong).contiguous();
     const int64_t *p = values.data_ptr<int64_t>();
     return std::vector<int64_t>(p, p + values.numel());
@@ -220,17 +224,87 @@ std::vector<int64_t> slot_values(const Tensor &slots) {
 // slots is absent (then `start`) or has one element). Paged (block_size > 0): k, v (tokens,
 // kv_heads, head_dim), caches (blocks, block_size, kv_heads, head_dim), token t written at slot
 // slots[t] (block slots[t] / block_size, row slots[t] % block_size); negative slots are skipped.
+//
+// Every size and slot the writes and the table reads depend on is checked here, without integer
+// overflow (these operators are reachable directly through torch.ops): starts in [0, length - seq],
+// slots below blocks * block_size, tables whose batch (tokens) axis is 1 or k's. Caches with
+// strided channels are written through a contiguous copy, copied back (bit for bit the same).
+void rotate_into_checked(const Tensor &k, const Tensor &v, const Tensor &cos, const Tensor &sin, const Tensor &k_cache,
+                         const Tensor &v_cache, const std::vector<int64_t> &slot,
+                         const c10::optional<Tensor> &k_weight, c10::optional<double> eps, double offset,
+                         bool per_token, int64_t block_size, bool interleaved);
+
 void rotate_into_cache(const Tensor &k, const Tensor &v, const Tensor &cos, const Tensor &sin, const Tensor &k_cache,
                        const Tensor &v_cache, const c10::optional<Tensor> &slots, int64_t start,
                        const c10::optional<Tensor> &k_weight, c10::optional<double> eps, double offset, bool per_token,
                        int64_t block_size, bool interleaved) {
-    TORCH_CHECK(k.sizes() == v.sizes(), "ropekit_cpu: k and v must have the same shape");
-    TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
-                "ropekit_cpu: the caches must have the dtypes of k and v");
+    TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "ropekit_cpu: k and v must have the same shape, got ", k.sizes(),
+                      " and ", v.sizes());
+    TORCH_CHECK_VALUE(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+                      "ropekit_cpu: the caches must have the dtypes of k and v");
+    TORCH_CHECK_VALUE(k.device().is_cpu() && v.device().is_cpu() && k_cache.device().is_cpu() &&
+                      v_cache.device().is_cpu(), "ropekit_cpu: k, v and the caches must be CPU tensors");
     const bool paged = block_size > 0;
-    TORCH_CHECK(k.dim() == (paged ? 3 : 4) && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-                "ropekit_cpu: k, v and the caches do not have the shapes of the ", paged ? "paged" : "contiguous",
-                " layout");
+    TORCH_CHECK_VALUE(k.dim() == (paged ? 3 : 4) && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+                      "ropekit_cpu: k, v and the caches do not have the shapes of the ", paged ? "paged" : "contiguous",
+                      " layout: k ", k.sizes(), ", k_cache ", k_cache.sizes(), ", v_cache ", v_cache.sizes());
+    TORCH_CHECK_VALUE(cos.sizes() == sin.sizes() && cos.dim() >= 1 && cos.dim() <= k.dim(),
+                      "ropekit_cpu: cos/sin of shape ", cos.sizes(), " and ", sin.sizes(), " do not fit k ", k.sizes());
+    // the first axis of 4-D (contiguous) or 3-D (paged) tables is read per batch row (token)
+    TORCH_CHECK_VALUE(cos.dim() < k.dim() || cos.size(0) == 1 || cos.size(0) == k.size(0), "ropekit_cpu: cos/sin ",
+                      cos.sizes(), " do not broadcast against k ", k.sizes(), " (axis 0)");
+    if (paged) {
+        TORCH_CHECK_VALUE(k_cache.size(1) == block_size && k_cache.size(2) == k.size(1) &&
+                          k_cache.size(3) == k.size(2), "ropekit_cpu: the paged caches ", k_cache.sizes(),
+                          " do not fit k ", k.sizes(), " and block_size ", block_size);
+    } else {
+        TORCH_CHECK_VALUE(k_cache.size(0) == k.size(0) && k_cache.size(1) == k.size(1) && k_cache.size(3) == k.size(3),
+                          "ropekit_cpu: the caches ", k_cache.sizes(), " do not fit k ", k.sizes());
+    }
+    // the slots first (checked whatever k holds), then nothing to do for empty keys
+    std::vector<int64_t> slot;
+    if (slots.has_value() && slots->defined()) {
+        slot = slot_values(*slots);
+    } else {
+        TORCH_CHECK_VALUE(!paged, "ropekit_cpu: the paged layout needs a slot mapping");
+        slot = {start};
+    }
+    if (paged) {
+        int64_t capacity = 0;
+        TORCH_CHECK_VALUE(!__builtin_mul_overflow(k_cache.size(0), block_size, &capacity),
+                          "ropekit_cpu: the paged caches hold more than 2**63 slots");
+        TORCH_CHECK_VALUE(static_cast<int64_t>(slot.size()) == k.size(0), "ropekit_cpu: slots must hold one slot per "
+                          "token (", k.size(0), "), got ", slot.size());
+        for (size_t t = 0; t < slot.size(); t++)
+            TORCH_CHECK_VALUE(slot[t] < capacity, "slots: slot ", slot[t], " of token ", t, " is outside a cache of ",
+                              capacity, " slots");
+    } else {
+        const int64_t seq = k.size(2), length = k_cache.size(2);
+        TORCH_CHECK_VALUE(slot.size() == 1 || static_cast<int64_t>(slot.size()) == k.size(0),
+                          "ropekit_cpu: slots must hold one start or one per batch row (", k.size(0), "), got ",
+                          slot.size());
+        for (int64_t first : slot)  // first + seq <= length, written so that it cannot overflow
+            TORCH_CHECK_VALUE(first >= 0 && seq <= length && first <= length - seq, "slots: tokens [", first,
+                              ", ", first, " + ", seq, ") do not fit in a cache of length ", length);
+    }
+    if (k.numel() == 0) return;
+    // caches with strided channels: the kernel writes a contiguous copy, copied back below
+    const Tensor k_target = unit_channels(k_cache), v_target = unit_channels(v_cache);
+    rotate_into_checked(k, v, cos, sin, k_target, v_target, slot, k_weight, eps, offset, per_token, block_size,
+                        interleaved);
+    for (const auto &[cache, target] : {std::pair<Tensor, Tensor>{k_cache, k_target},
+                                        std::pair<Tensor, Tensor>{v_cache, v_target}}) {
+        if (!target.is_same(cache)) cache.copy_(target);
+        cache.unsafeGetTensorImpl()->bump_version();
+    }
+}
+
+// rotate_into_cache once its arguments are checked (slot: the starts, or one slot per token).
+void rotate_into_checked(const Tensor &k, const Tensor &v, const Tensor &cos, const Tensor &sin, const Tensor &k_cache,
+                         const Tensor &v_cache, const std::vector<int64_t> &slot,
+                         const c10::optional<Tensor> &k_weight, c10::optional<double> eps, double offset,
+                         bool per_token, int64_t block_size, bool interleaved) {
+    const bool paged = block_size > 0;
     const Tensor k_in = unit_channels(k), v_in = unit_channels(v);
     const int64_t flags = flags_of(interleaved, false, true) | FLAG_STREAM;  // slots far apart: streamed
     Norm norm;  // per token: over the kv_heads axis (1 of k) and the channels
@@ -246,16 +320,8 @@ void rotate_into_cache(const Tensor &k, const Tensor &v, const Tensor &cos, cons
         add_jobs(vv, vc, no_table, no_table, flags, jobs);
     };
     if (!paged) {
-        const int64_t batch = k.size(0), seq = k.size(2), length = k_cache.size(2);
-        TORCH_CHECK(k_cache.size(0) == batch && k_cache.size(1) == k.size(1) && k_cache.size(3) == k.size(3),
-                    "ropekit_cpu: the caches do not fit k");
-        std::vector<int64_t> starts = slots.has_value() && slots->defined() ? slot_values(*slots)
-                                                                             : std::vector<int64_t>{start};
-        TORCH_CHECK(starts.size() == 1 || static_cast<int64_t>(starts.size()) == batch,
-                    "ropekit_cpu: slots must hold one start or one per batch row");
-        for (int64_t first : starts)
-            TORCH_CHECK_VALUE(first >= 0 && first + seq <= length, "slots: tokens [", first, ", ", first + seq,
-                              ") do not fit in a cache of length ", length);
+        const int64_t batch = k.size(0), seq = k.size(2);
+        const std::vector<int64_t> &starts = slot;
         if (starts.size() == 1) {
             add(k_in, v_in, k_cache.narrow(2, starts[0], seq), v_cache.narrow(2, starts[0], seq), cos, sin, 1);
         } else {  // the jobs of row 0 at slot 0, then copies moved to each row and its start (no views)
@@ -288,19 +354,12 @@ void rotate_into_cache(const Tensor &k, const Tensor &v, const Tensor &cos, cons
             }
         }
     } else {
-        TORCH_CHECK(k_cache.size(1) == block_size && k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
-                    "ropekit_cpu: the paged caches do not fit k and block_size");
-        TORCH_CHECK(slots.has_value() && slots->defined(), "ropekit_cpu: the paged layout needs a slot mapping");
-        const std::vector<int64_t> slot = slot_values(*slots);
-        const int64_t tokens = k.size(0), capacity = k_cache.size(0) * block_size;
-        TORCH_CHECK(static_cast<int64_t>(slot.size()) == tokens, "ropekit_cpu: slots must hold one slot per token");
+        const int64_t tokens = k.size(0);
         for (int64_t t = 0; t < tokens;) {
             if (slot[t] < 0) {  // padding: nothing written
                 t++;
                 continue;
             }
-            TORCH_CHECK_VALUE(slot[t] < capacity, "slots: slot ", slot[t], " of token ", t, " is outside a cache of ",
-                              capacity, " slots");
             const int64_t block = slot[t] / block_size, row = slot[t] % block_size;
             int64_t n = 1;  // a run of tokens in consecutive slots of one block: one job
             while (t + n < tokens && row + n < block_size && slot[t + n] == slot[t] + n) n++;
@@ -310,8 +369,6 @@ void rotate_into_cache(const Tensor &k, const Tensor &v, const Tensor &cos, cons
         }
     }
     run_jobs(jobs, /*each_job=*/true);  // keys cost more per row than values
-    k_cache.unsafeGetTensorImpl()->bump_version();
-    v_cache.unsafeGetTensorImpl()->bump_version();
 }
 
 #endif  // ROPEKIT_FUSED_CPU_H

@@ -121,8 +121,11 @@ int64_t set_populate_bytes(int64_t min_bytes) { return populate_min_bytes.exchan
 
 std::vector<int64_t> plan_rows(at::IntArrayRef sizes, at::IntArrayRef x_strides, at::IntArrayRef out_strides,
                                at::IntArrayRef cos_strides, at::IntArrayRef sin_strides) {
+    const size_t n = sizes.size();
+    TORCH_CHECK_VALUE(x_strides.size() == n && out_strides.size() == n && cos_strides.size() == n &&
+                      sin_strides.size() == n, "ropekit_cpu: plan_rows needs one stride per size for each tensor");
     Dims dims;
-    for (size_t d = 0; d < sizes.size(); d++)
+    for (size_t d = 0; d < n; d++)
         dims.push_back(Dim{sizes[d], {x_strides[d], out_strides[d], cos_strides[d], sin_strides[d]}});
     const Dims order = visiting_order(dims, true);
     std::vector<int64_t> result{static_cast<int64_t>(order.size())};

@@ -1,0 +1,532 @@
+"""Fuzz every C++ CPU entry point of ropekit under AddressSanitizer, against the float64 reference.
+
+    python tools/asan_fuzz.py --calls 1500 --seed 0
+
+1. Builds the kernel of ``src/ropekit/ops/csrc`` with ``-fsanitize=address`` (its own build key,
+   operators in the namespace ``ropekit_asan``) into a private temporary cache directory
+   (``--build-dir`` keeps one between runs).
+2. Runs the fuzzer in a child process with the compiler's ``libasan`` preloaded: ``--calls``
+   seeded random calls of the ``torch.ops.ropekit_asan`` operators (rotate, rotate_, rotate_pair,
+   rotate_pair_, the rms_norm_rotate forms and their backward, rotate_into_cache contiguous with
+   one start or per-row starts and paged, plan_rows) on random shapes, dtypes (float32, float64,
+   bfloat16, float16), layouts, strides (permuted, sliced, channel-strided, empty) and tables that
+   broadcast. Valid calls are compared with the float64 reference (:mod:`ropekit.ops.reference`;
+   the norm and its gradient in float64 autograd); invalid ones (starts and slots out of the cache
+   or near 2**63, tables of another batch, widths past head_dim, mismatched shapes, float slots,
+   ...) must raise a Python exception and leave their outputs untouched, never be accepted.
+   ``slot_mapping`` is fuzzed too (hostile block ids) against its formula.
+3. Prints one line (calls, valid, invalid, seconds, findings) and exits non-zero on any
+   AddressSanitizer report, crash, mismatch or accepted invalid call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ASAN_FLAGS = ("-fsanitize=address", "-fno-omit-frame-pointer")
+NAMESPACE = "ropekit_asan"
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+TOLERANCE = {"float32": 2e-5, "float64": 2e-6, "bfloat16": 2e-2, "float16": 4e-3}  # float32 tables in all
+
+
+# ---------------------------------------------------------------- parent: build, run the child
+
+def parent(args) -> int:
+    """Build the sanitizer kernel, run the worker with its runtime preloaded, print the summary."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from ropekit.ops import build
+
+    keep = args.build_dir is not None
+    cache = Path(args.build_dir) if keep else Path(tempfile.mkdtemp(prefix="ropekit-asan-"))
+    os.environ["ROPEKIT_CACHE_DIR"] = str(cache)
+    try:
+        start = time.monotonic()
+        built = build.ensure_built(ASAN_FLAGS, NAMESPACE, quiet=True)
+        build_s = time.monotonic() - start
+        cxx = build.compiler()
+        env = dict(os.environ, LD_PRELOAD=build.asan_preload(cxx), PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1",
+                   ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86:"
+                                "allocator_may_return_null=1")
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(built.library),
+                   "--calls", str(args.calls), "--seed", str(args.seed)]
+        start = time.monotonic()
+        child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+        run_s = time.monotonic() - start
+    finally:
+        if not keep:
+            shutil.rmtree(cache, ignore_errors=True)
+    asan = child.stderr.count("ERROR: AddressSanitizer")
+    summary = child.stdout.strip().splitlines()[-1] if child.stdout.strip() else "no summary (the worker died)"
+    ok = child.returncode == 0 and asan == 0
+    if not ok:
+        sys.stderr.write(child.stderr[-6000:])
+    print(f"asan_fuzz: {'OK' if ok else 'FAILED'}: {summary}; AddressSanitizer reports {asan}; "
+          f"worker exit {child.returncode}; build {build_s:.0f} s, run {run_s:.0f} s")
+    return 0 if ok else 1
+
+
+# ---------------------------------------------------------------- worker: the fuzzer itself
+
+class Invalid(Exception):
+    """An invalid call the kernel accepted (or a refused one that changed its outputs)."""
+
+
+class Fuzzer:
+    """Seeded random calls of every operator, each checked (valid) or required to fail (invalid)."""
+
+    def __init__(self, ops, seed: int):
+        import torch
+
+        self.torch = torch
+        self.ops = ops
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.valid = self.invalid = 0
+        self.kind = ""  # the last invalid argument made (in reports)
+
+    # -- values and layouts
+    def values(self, shape, dtype):
+        """Random values of ``shape`` in ``dtype`` (a name)."""
+        torch = self.torch
+        return (torch.randn(*shape, generator=self.gen, dtype=torch.float64) * 2).to(getattr(torch, dtype))
+
+    def strided(self, shape, dtype, *, channels=True):
+        """A tensor of ``shape`` and random strides: contiguous, permuted, sliced or channel-strided."""
+        kind = self.rng.choice(("contiguous", "permuted", "sliced", "channels" if channels else "sliced"))
+        if kind == "contiguous" or len(shape) == 0:
+            return self.values(shape, dtype)
+        if kind == "permuted":
+            order = list(range(len(shape)))
+            self.rng.shuffle(order)
+            base = self.values([shape[i] for i in order], dtype)
+            return base.permute(*[order.index(i) for i in range(len(shape))])
+        steps = [self.rng.choice((1, 2)) for _ in shape]
+        if kind == "channels":
+            steps[-1] = self.rng.choice((2, 3))
+        base = self.values([n * s for n, s in zip(shape, steps, strict=True)], dtype)
+        return base[tuple(slice(None, None, s) for s in steps)]
+
+    def tables(self, lead, h, *, positions=None):
+        """cos/sin (float32) right-aligned against ``lead`` (each axis 1 or lead's), with their positions."""
+        torch = self.torch
+        import ropekit
+
+        dims = self.rng.randint(0, len(lead))
+        shape = [n if self.rng.random() < 0.6 else 1 for n in lead[len(lead) - dims:]]
+        if positions is None:
+            positions = torch.randint(0, 4096, shape, generator=self.gen)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(h, dtype=torch.float64) / max(h, 1)))
+        cos, sin = ropekit.cos_sin(positions, inv_freq)
+        cos, sin = cos.reshape(*shape, h), sin.reshape(*shape, h)
+        return cos, sin, positions, inv_freq
+
+    def shape(self, ndim, head_dim):
+        """Leading sizes (sometimes 0) and ``head_dim``."""
+        return [self.rng.choice((0, 1, 2, 3, 4)) if self.rng.random() < 0.05 else self.rng.randint(1, 4)
+                for _ in range(ndim - 1)] + [head_dim]
+
+    def head(self):
+        """``(head_dim, rotary half width)``."""
+        head_dim = self.rng.choice((2, 4, 6, 8, 16, 34))
+        h = self.rng.randint(0, head_dim // 2) if self.rng.random() < 0.3 else head_dim // 2
+        return head_dim, h
+
+    # -- the float64 oracles
+    def rotated(self, x64, positions, inv_freq, lead, h, interleaved, conjugate):
+        """``x64`` rotated by the reference's float64 rotation matrices (tables' positions broadcast)."""
+        from ropekit.ops.reference import apply_reference
+
+        torch = self.torch
+        if h == 0 or x64.numel() == 0:
+            return x64.clone()
+        pos = positions.reshape([1] * (len(lead) - positions.dim()) + list(positions.shape))
+        pos = torch.broadcast_to(pos, lead)
+        return apply_reference(x64, -pos if conjugate else pos, inv_freq,
+                               layout="interleaved" if interleaved else "half")
+
+    def rotate_table(self, x64, cos, sin, h, interleaved):
+        """Differentiable float64 rotation by the tables (for the gradient oracle)."""
+        from ropekit.ops.reference import pair_indices
+
+        first, second = pair_indices(2 * h, "interleaved" if interleaved else "half")
+        c, s = cos.to(self.torch.float64), sin.to(self.torch.float64)
+        a, b = x64[..., first], x64[..., second]
+        out = x64.clone()
+        out[..., first] = a * c - b * s
+        out[..., second] = b * c + a * s
+        return out
+
+    @staticmethod
+    def normed(x64, w64, eps, offset, per_token):
+        """The float64 RMSNorm (over the last axis, or the last two per token)."""
+        dims = (-2, -1) if per_token else (-1,)
+        gains = 1.0 if w64 is None else offset + w64
+        return x64 * (x64.pow(2).mean(dim=dims, keepdim=True) + eps).rsqrt() * gains
+
+    def close(self, got, want, dtype, what):
+        """Raise AssertionError unless ``got`` is within the dtype's tolerance of the float64 ``want``."""
+        torch = self.torch
+        if got.shape != want.shape:
+            raise AssertionError(f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+        tol = TOLERANCE[dtype]
+        scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+        err = float((got.to(torch.float64) - want).abs().max()) if want.numel() else 0.0
+        if not err <= tol * scale:
+            raise AssertionError(f"{what}: {dtype} off the float64 reference by {err:.3g} "
+                                 f"(tolerance {tol * scale:.3g})")
+
+    def refused(self, call, *outputs):
+        """``call`` must raise, and leave ``outputs`` as they were."""
+        before = [t.clone() for t in outputs]
+        try:
+            call()
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            for t, b in zip(outputs, before, strict=True):
+                if not self.torch.equal(t.nan_to_num(0.5), b.nan_to_num(0.5)):
+                    raise Invalid("a refused call changed its output") from None
+            self.invalid += 1
+            return
+        raise Invalid(f"an invalid call was accepted ({self.kind})")
+
+    # -- entry points
+    def case_rotate(self):
+        """rotate, rotate_, rotate_pair, rotate_pair_."""
+        rng, ops = self.rng, self.ops
+        dtype, (head_dim, h) = rng.choice(DTYPES), self.head()
+        interleaved, conjugate = rng.random() < 0.5, rng.random() < 0.3
+        form = rng.choice(("rotate", "rotate_", "rotate_pair", "rotate_pair_"))
+        pair = form.startswith("rotate_pair")
+        shape = self.shape(rng.randint(1, 5), head_dim)
+        q = self.strided(shape, dtype)
+        k = self.strided(shape, dtype) if pair else None
+        cos, sin, positions, inv_freq = self.tables(shape[:-1], h)
+        if rng.random() < 0.3:
+            cos, sin = cos.to(self.torch.float64), sin.to(self.torch.float64)
+        op = getattr(ops, form)
+        args = (cos, sin, interleaved, conjugate)
+        if rng.random() < 0.25:  # invalid: tables that do not fit
+            bad = self.bad_tables(cos, sin, shape, h)
+            inputs = (q, k) if pair else (q,)
+            self.refused(lambda: op(*inputs, *bad, interleaved, conjugate), *[t for t in inputs if form.endswith("_")])
+            return
+        want = [self.rotated(t.to(self.torch.float64), positions, inv_freq, shape[:-1], h, interleaved, conjugate)
+                for t in ((q, k) if pair else (q,))]
+        if form.endswith("_"):
+            op(*((q, k) if pair else (q,)), *args)
+            got = (q, k) if pair else (q,)
+        else:
+            got = op(*((q, k) if pair else (q,)), *args)
+            got = got if pair else (got,)
+        for g, w in zip(got, want, strict=True):
+            self.close(g, w, dtype, form)
+        self.valid += 1
+
+    def bad_tables(self, cos, sin, shape, h):
+        """cos/sin that do not fit x of ``shape`` (one kind of misfit at random)."""
+        torch, rng = self.torch, self.rng
+        kind = self.kind = rng.choice(("wide", "huge", "mismatch", "sin", "rank", "int"))
+        if kind == "wide":  # rotary_dim past head_dim
+            c = torch.zeros(shape[-1] // 2 + 1)
+            return c, c.clone()
+        if kind == "huge":  # an empty table whose width wraps 2 * h
+            c = torch.zeros(0, 2**62)
+            return c, c.clone()
+        if kind == "mismatch" and len(shape) > 1:  # an axis of neither 1 nor x's size
+            c = torch.zeros(*shape[:-1], h)
+            c = torch.zeros(*c.shape[:-2], shape[-2] + 2, h) if c.dim() >= 2 else c
+            return c, c.clone()
+        if kind == "sin":
+            return cos, torch.zeros(*sin.shape[:-1], sin.shape[-1] + 1)
+        if kind == "rank":
+            c = torch.zeros(2, 1, *shape[:-1], h)
+            return c, c.clone()
+        c = torch.zeros(shape[-1] // 2 + 1, dtype=torch.int64)  # converted like float tables: too wide
+        return c, c.clone()
+
+    def case_norm(self):
+        """The rms_norm_rotate forms and their backward."""
+        torch, rng, ops = self.torch, self.rng, self.ops
+        dtype, (head_dim, h) = rng.choice(DTYPES), self.head()
+        interleaved, per_token = rng.random() < 0.5, rng.random() < 0.5
+        form = rng.choice(("rms_norm_rotate", "rms_norm_rotate_", "rms_norm_rotate_pair", "rms_norm_rotate_pair_",
+                           "rms_norm_rotate_backward"))
+        pair = "pair" in form
+        shape = self.shape(rng.randint(2, 5), head_dim)
+        wshape = shape[-2:] if per_token else shape[-1:]
+        x = self.strided(shape, dtype)
+        k = self.strided(shape, dtype) if pair else None
+        weight = self.values(wshape, rng.choice(("float32", dtype))) if rng.random() < 0.7 else None
+        offset = 0.0 if weight is None else rng.choice((0.0, 1.0))
+        eps = rng.choice((1e-6, 1e-5, 0.1))
+        cos, sin, positions, inv_freq = self.tables(shape[:-1], h)
+        op = getattr(ops, form)
+        if rng.random() < 0.25:
+            kind = rng.choice(("weight", "tables") + (("grad",) if form == "rms_norm_rotate_backward" else ()))
+            self.kind = f"{form} {kind}"
+            bad_weight = self.values([wshape[-1] + 1], "float32") if kind == "weight" else weight
+            c, s = self.bad_tables(cos, sin, shape, h) if kind == "tables" else (cos, sin)
+            opts = (eps, offset if bad_weight is not None else 0.0, per_token, interleaved)
+            if form == "rms_norm_rotate_backward":
+                grad = self.values(shape[:-1] + [head_dim + (2 if kind == "grad" else 0)], dtype)
+                self.refused(lambda: op(grad, x, bad_weight, c, s, *opts))
+            elif pair:
+                self.refused(lambda: op(x, k, bad_weight, weight, c, s, *opts), *((x, k) if form.endswith("_") else ()))
+            else:
+                self.refused(lambda: op(x, bad_weight, c, s, *opts), *((x,) if form.endswith("_") else ()))
+            return
+        opts = (eps, offset, per_token, interleaved)
+        w64 = None if weight is None else weight.to(torch.float64)
+        if form == "rms_norm_rotate_backward":
+            grad = self.values(shape, dtype)
+            x64 = x.to(torch.float64).requires_grad_(True)
+            w_req = None if w64 is None else w64.clone().requires_grad_(True)
+            y = self.rotate_table(self.normed(x64, w_req, eps, offset, per_token), cos, sin, h, interleaved)
+            inputs = [x64] + ([] if w_req is None else [w_req])
+            grads = torch.autograd.grad(y, inputs, grad.to(torch.float64), allow_unused=True)
+            got_x, got_w = op(grad, x, weight, cos, sin, *opts)
+            self.close(got_x, grads[0], dtype, form + " grad_x")
+            if weight is not None:
+                self.close(got_w, grads[1], "bfloat16" if dtype in ("bfloat16", "float16") else "float32",
+                           form + " grad_weight")
+            self.valid += 1
+            return
+        want = [self.rotated(self.normed(t.to(torch.float64), w64, eps, offset, per_token), positions, inv_freq,
+                             shape[:-1], h, interleaved, False) for t in ((x, k) if pair else (x,))]
+        if pair:
+            result = op(x, k, weight, weight, cos, sin, *opts)
+            got = (x, k) if form.endswith("_") else result
+        else:
+            result = op(x, weight, cos, sin, *opts)
+            got = (x,) if form.endswith("_") else (result,)
+        for g, w in zip(got, want, strict=True):
+            self.close(g, w, "bfloat16" if dtype == "bfloat16" else ("float16" if dtype == "float16" else "float32"),
+                       form)
+        self.valid += 1
+
+    def case_cache(self):
+        """rotate_into_cache: contiguous (one start, per-row starts) and paged, keys normalised or not."""
+        torch, rng = self.torch, self.rng
+        dtype, (head_dim, h) = rng.choice(DTYPES), self.head()
+        interleaved = rng.random() < 0.5
+        paged = rng.random() < 0.5
+        heads = rng.randint(1, 3)
+        normalise = rng.random() < 0.3
+        per_token = normalise and rng.random() < 0.5
+        if paged:
+            block_size, blocks = rng.choice((1, 2, 4)), rng.randint(1, 4)
+            tokens = rng.randint(0, blocks * block_size)
+            k_shape, cache_shape = [tokens, heads, head_dim], [blocks, block_size, heads, head_dim]
+            slot_list = rng.sample(range(blocks * block_size), tokens)
+            slot_list = [s if rng.random() < 0.85 else -1 for s in slot_list]
+            slots, start = torch.tensor(slot_list, dtype=rng.choice((torch.int64, torch.int32))), 0
+            positions = torch.randint(0, 4096, [tokens, 1], generator=self.gen)
+        else:
+            block_size, batch, seq, length = 0, rng.randint(1, 4), rng.randint(0, 3), rng.randint(3, 6)
+            k_shape, cache_shape = [batch, heads, seq, head_dim], [batch, heads, length, head_dim]
+            starts = [rng.randint(0, length - seq) for _ in range(batch)]
+            choice = rng.random()
+            if choice < 0.3:
+                slots, start, starts = None, starts[0], [starts[0]] * batch
+            elif choice < 0.5:
+                slots, starts = torch.tensor(starts[0]), [starts[0]] * batch
+                start = 0
+            else:
+                slots, start = torch.tensor(starts, dtype=rng.choice((torch.int64, torch.int32))), 0
+            positions = torch.randint(0, 4096, [batch if rng.random() < 0.5 else 1, 1, seq, 1],
+                                      generator=self.gen)[..., 0]
+        k, v = self.strided(k_shape, dtype), self.strided(k_shape, dtype)
+        k_cache = self.strided(cache_shape, dtype, channels=rng.random() < 0.3)
+        v_cache = self.strided(cache_shape, dtype, channels=rng.random() < 0.3)
+        lead_t = positions.shape
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(h, dtype=torch.float64) / max(h, 1)))
+        import ropekit
+
+        cos, sin = ropekit.cos_sin(positions, inv_freq)
+        cos, sin = cos.reshape(*lead_t, h), sin.reshape(*lead_t, h)
+        weight_shape = [heads, head_dim] if per_token else [head_dim]
+        weight = self.values(weight_shape, "float32") if normalise and rng.random() < 0.7 else None
+        eps = 1e-5 if normalise else None
+        offset = 1.0 if weight is not None and rng.random() < 0.5 else 0.0
+        call = [k, v, cos, sin, k_cache, v_cache, slots, start, weight, eps, offset, per_token, block_size,
+                interleaved]
+        if rng.random() < 0.35:
+            self.bad_cache(call, paged, k_shape, cache_shape, h)
+            return
+        expect_k, expect_v = k_cache.to(torch.float64), v_cache.to(torch.float64)
+        k64 = k.to(torch.float64)
+        if normalise:
+            axes = k64 if paged else k64.transpose(1, 2)
+            w64 = None if weight is None else weight.to(torch.float64)
+            k64 = self.normed(axes, w64, eps, offset, per_token)
+            k64 = k64 if paged else k64.transpose(1, 2)
+        lead = list(k_shape[:-1])
+        rot = self.rotated(k64, positions, inv_freq, lead, h, interleaved, False)
+        if paged:
+            for t, s in enumerate(slot_list):
+                if s >= 0:
+                    expect_k[s // block_size, s % block_size] = rot[t]
+                    expect_v[s // block_size, s % block_size] = v[t].to(torch.float64)
+        else:
+            for b, first in enumerate(starts):
+                expect_k[b, :, first:first + seq] = rot[b]
+                expect_v[b, :, first:first + seq] = v[b].to(torch.float64)
+        self.ops.rotate_into_cache(*call)
+        tol_dtype = dtype if dtype in ("bfloat16", "float16") else "float32"
+        self.close(k_cache, expect_k, tol_dtype, "rotate_into_cache keys")
+        if not torch.equal(v_cache.to(torch.float64), expect_v):
+            raise AssertionError("rotate_into_cache: the values are not copied bit for bit into their slots")
+        self.valid += 1
+
+    def bad_cache(self, call, paged, k_shape, cache_shape, h):
+        """``call`` made invalid (slots out of the cache or near 2**63, tables of another batch, ...)."""
+        torch, rng = self.torch, self.rng
+        call = list(call)
+        big = rng.choice((2**63 - 1, 2**62, 2**63 - 2))
+        if paged:
+            kind = self.kind = rng.choice(("slot", "huge", "count", "float", "tables", "block", "none"))
+            tokens = k_shape[0]
+            if kind in ("slot", "huge") or tokens == 0:
+                slots = call[6].to(torch.int64).clone() if tokens else torch.zeros(0, dtype=torch.int64)
+                if tokens:
+                    slots[rng.randrange(tokens)] = cache_shape[0] * cache_shape[1] if kind == "slot" else abs(big)
+                else:
+                    slots = torch.tensor([0])
+                call[6] = slots
+            elif kind == "count":
+                call[6] = torch.zeros(tokens + 1, dtype=torch.int64)
+            elif kind == "float":
+                call[6] = call[6].to(torch.float32)
+            elif kind == "tables":
+                call[2] = torch.zeros(tokens + 1, 1, h)
+                call[3] = torch.zeros(tokens + 1, 1, h)
+            elif kind == "block":
+                call[12] = cache_shape[1] + 1
+            else:
+                call[6] = None
+        else:
+            kind = self.kind = rng.choice(("start", "huge", "rows", "count", "tables", "negative"))
+            batch, seq, length = k_shape[0], k_shape[2], cache_shape[2]
+            if kind == "start":
+                call[6], call[7] = None, length - seq + 1
+            elif kind == "negative":
+                call[6], call[7] = None, -1
+            elif kind == "huge":
+                call[6], call[7] = None, rng.choice((big, -(2**63)))
+            elif kind == "rows":  # per-row starts, one of them out of the cache
+                starts = [0] * max(batch, 2)
+                starts[rng.randrange(len(starts))] = rng.choice((abs(big), length - seq + 1, -1))
+                call[6] = torch.tensor(starts[:batch] if batch > 1 else [starts[0]])
+                if batch == 1:
+                    call[6] = torch.tensor([rng.choice((abs(big), length - seq + 1, -1))])
+            elif kind == "count":
+                call[6] = torch.zeros(batch + 1, dtype=torch.int64)
+            else:  # tables of another batch (per-row starts: the branch that read past them)
+                call[6] = torch.zeros(batch, dtype=torch.int64)
+                other = batch + 1 if batch < 2 else batch // 2 if batch % 2 == 0 and batch > 2 else batch + 1
+                call[2] = torch.zeros(other, 1, seq, h)
+                call[3] = torch.zeros(other, 1, seq, h)
+        self.refused(lambda: self.ops.rotate_into_cache(*call), call[4], call[5])
+
+    def case_plan_rows(self):
+        """plan_rows (a test hook, reachable like the rest)."""
+        n = self.rng.randint(0, 4)
+        sizes = [self.rng.randint(1, 4) for _ in range(n)]
+        lists = [[self.rng.randint(0, 64) for _ in range(n)] for _ in range(4)]
+        if self.rng.random() < 0.5:  # invalid: a stride list shorter than the sizes
+            lists[self.rng.randrange(4)] = []
+            if n == 0:
+                sizes = [1]
+            self.refused(lambda: self.ops.plan_rows(sizes, *lists))
+            return
+        result = self.ops.plan_rows(sizes, *lists)
+        if result[0] < 0 or len(result) != 1 + 5 * result[0]:
+            raise AssertionError(f"plan_rows returned {result}")
+        self.valid += 1
+
+    def case_slot_mapping(self):
+        """slot_mapping (which feeds the paged writes): hostile block ids are refused, others mapped exactly."""
+        torch, rng = self.torch, self.rng
+        from ropekit.fused.cache import slot_mapping
+
+        block_size = rng.choice((1, 2, 16))
+        batch, blocks, seq = rng.randint(1, 3), rng.randint(1, 3), rng.randint(1, 4)
+        table = torch.randint(0, 64, (batch, blocks), generator=self.gen)
+        hostile = rng.random() < 0.5
+        if hostile:
+            table[rng.randrange(batch), 0] = rng.choice((-1, -(2**62), 2**62, min(2**63 // block_size, 2**63 - 1),
+                                                         2**63 - 1))
+        positions = torch.randint(0, blocks * block_size, (batch, seq), generator=self.gen)
+        positions[:, 0] = 0  # every row reaches its first block
+        try:
+            slots = slot_mapping(table, positions, block_size)
+        except ValueError:
+            if not hostile:
+                raise AssertionError("slot_mapping refused a valid block table") from None
+            self.invalid += 1
+            return
+        flat = positions.reshape(-1)
+        rows = torch.arange(batch).repeat_interleave(seq)
+        for s, b, p in zip(slots.tolist(), rows.tolist(), flat.tolist(), strict=True):
+            block = int(table[b, p // block_size])
+            if s < 0 or s // block_size != block or s % block_size != p % block_size:
+                raise Invalid(f"slot_mapping put position {p} of sequence {b} (block {block}) at slot {s}")
+        self.valid += 1
+
+    def run(self, calls: int) -> list[str]:
+        """Make ``calls`` calls; the findings, one line each."""
+        cases = (self.case_rotate, self.case_rotate, self.case_norm, self.case_norm, self.case_cache,
+                 self.case_cache, self.case_cache, self.case_plan_rows, self.case_slot_mapping)
+        failures = []
+        for i in range(calls):
+            case = self.rng.choice(cases)
+            self.ops.set_thresholds(self.rng.choice((0, 1 << 20)), -1)  # small tensors take the planned path too
+            try:
+                case()
+            except (AssertionError, Invalid) as exc:
+                failures.append(f"call {i} ({case.__name__}): {exc}")
+            except Exception as exc:  # noqa: BLE001 - a valid call must not raise
+                failures.append(f"call {i} ({case.__name__}): a valid call raised {type(exc).__name__}: "
+                                f"{str(exc)[:300]}")
+        return failures
+
+
+def worker(args) -> int:
+    """In the child (sanitizer runtime preloaded): load the library, fuzz, print the summary."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.ops.load_library(args.worker)
+    ops = getattr(torch.ops, NAMESPACE)
+    fuzzer = Fuzzer(ops, args.seed)
+    start = time.monotonic()
+    failures = fuzzer.run(args.calls)
+    for line in failures[:20]:
+        print(line, file=sys.stderr)
+    print(f"{args.calls} calls (seed {args.seed}): {fuzzer.valid} valid checked against the float64 reference, "
+          f"{fuzzer.invalid} invalid refused, {len(failures)} findings in {time.monotonic() - start:.1f} s")
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    """Command line: see the module docstring."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=1500, help="random calls to make (default 1500)")
+    parser.add_argument("--seed", type=int, default=0, help="the random seed (default 0)")
+    parser.add_argument("--build-dir", help="keep the sanitizer build in this directory (default: a temporary one)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the fuzzing child may run")
+    parser.add_argument("--worker", metavar="LIBRARY", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    return worker(args) if args.worker else parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
