@@ -4,10 +4,10 @@ The property test draws sequences of calls, valid and invalid (aliased arguments
 dtypes that do not fit, tables of another batch, unknown or unfit backend names), over every public
 entry point, and replays each sequence twice: cold (every prepared call forgotten before each call,
 as in a fresh process: :func:`ropekit.ops.prepared.clear`) and warm (state kept, each call made
-twice in a row). Outcomes must be identical: the same exception type and message, or the same bits
-in every output and every input (in-place results, caches). The values of the valid calls are
-the other test modules' business (against the float64 reference); the cases the property found are
-spelled out one by one below.
+twice in a row, after a valid call of the same entry point, shapes and options). Outcomes must be
+identical: the same exception type and message, or the same bits in every output and every input
+(in-place results, caches). The values of the valid calls are the other test modules' business
+(against the float64 reference); the cases the property found are spelled out one by one below.
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ def test_warm_calls_equal_cold_calls(sequence):
         cold.append(outcome(step))
     prepared.clear()
     for step, expected in zip(sequence, cold, strict=True):
+        outcome((step[0], "valid", *step[2:]))  # a valid call of the same entry, shapes and options first
         for _ in range(2):  # the second call finds what the first prepared
             assert_same(expected, outcome(step), step)
 

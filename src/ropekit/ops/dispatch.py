@@ -107,7 +107,7 @@ def check_runs(requested: str, name: str, tensors: dict[str, torch.Tensor]) -> N
         name: the resolved name (:func:`resolve`).
         tensors: the tensors the kernel reads and writes (not the tables), by argument name.
     """
-    if requested == "auto":
+    if requested == "auto" or torch.compiler.is_compiling():  # a traced call was checked when run eagerly
         return
     backend = get(name)
     for arg, t in tensors.items():

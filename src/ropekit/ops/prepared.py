@@ -34,6 +34,7 @@ from torch.nn import Parameter
 from .dispatch import on_register
 from .memory import overlapping
 
+_is_compiling = torch.compiler.is_compiling
 PREPARED_MAX = 256  # signatures kept at most (a loop uses a few; a varying workload starts over)
 _calls: dict[tuple, Callable] = {}
 
@@ -44,6 +45,19 @@ def clear() -> None:
 
 
 on_register(clear)
+
+
+_NOT_TENSOR = object()
+
+
+def _tensor_key(t) -> tuple | None:
+    """What the checks read of one tensor argument (``_NOT_TENSOR`` for subclasses and other objects)."""
+    if t is None:
+        return None
+    kind = type(t)
+    if kind is not Tensor and kind is not Parameter:
+        return _NOT_TENSOR
+    return kind, t.shape, t.stride(), t.dtype, t.device
 
 
 def _shares_memory(tensors: tuple, written: int) -> bool:
@@ -66,27 +80,22 @@ def signature(form: str, tensors: tuple, options: tuple, *, written: int = 0) ->
         options: every other argument (ints, floats, strings, bools, None), each keyed by type and value.
         written: how many of the first ``tensors`` the call writes (0 out of place).
     """
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return None
-    grad = torch.is_grad_enabled()
-    key: list = [form]
-    for t in tensors:
-        if t is None:
-            key.append(None)
-            continue
-        kind = type(t)
-        if (kind is not Tensor and kind is not Parameter) or t.layout is not torch.strided or (
-                grad and t.requires_grad):
-            return None
-        key += (kind, t.shape, t.stride(), t.dtype, t.device)
-    present = [id(t) for t in tensors if t is not None]
-    if len(set(present)) != len(present):  # an argument given twice: which ones is part of the signature
-        key.append(tuple(present.index(i) for i in present))
+    try:
+        key = (form, options, *map(type, options), *map(_tensor_key, tensors))
+    except (RuntimeError, AttributeError):  # stride(): sparse layouts; non-tensors
+        return None
+    if _NOT_TENSOR in key:
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return None
+    if len(set(map(id, tensors))) != len(tensors):  # an argument given twice: which ones is part of the signature
+        ids = list(map(id, tensors))
+        key += tuple(map(ids.index, ids))
     if written and _shares_memory(tensors, written):
         return None
-    for value in options:
-        key += (type(value), value)
-    return tuple(key)
+    return key
 
 
 def lookup(key: tuple | None) -> Callable | None:
