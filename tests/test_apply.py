@@ -350,7 +350,7 @@ def test_repeated_call_takes_the_fast_path_and_still_checks_new_signatures(monke
 
     cos, sin = cos_sin(torch.arange(3), base_inv_freq(8))
     x = torch.randn(2, 3, 8)
-    monkeypatch.setattr(prepared, "_calls", {})
+    prepared.clear()
     first = apply_rotary(x, cos, sin)
     real = functional._check_tables
     monkeypatch.setattr(functional, "_check_tables", lambda *args: pytest.fail("checks ran again"))

@@ -441,17 +441,17 @@ def test_repeated_calls_reuse_checks_not_data(monkeypatch):
 
     gen = torch.Generator().manual_seed(8)
     inv_freq = ropekit.inv_frequencies(32)[0]
-    monkeypatch.setattr(prepared, "_calls", {})
+    prepared.clear()
     for step in range(3):  # same shapes, new tokens and positions
         x = torch.randn(4, 6, 1, 40, generator=gen)
         cos, sin = ropekit.cos_sin(torch.randint(0, 100, (4,), generator=gen), inv_freq)
         cos, sin = cos[:, None, None], sin[:, None, None]
         assert_same(ropekit.apply_rotary(x, cos, sin, backend="cpu"), torch_eager.rotate(x, cos, sin, layout="half"))
-        assert len(prepared._calls) == (1 if step == 0 else 2)
+        assert len(prepared.calls) == (1 if step == 0 else 2)
         converted = (cos.double(), sin.double())
         assert_same(ropekit.apply_rotary(x, *converted, backend="cpu"),
                     torch_eager.rotate(x, *converted, layout="half"))
-        assert len(prepared._calls) == 2
+        assert len(prepared.calls) == 2
 
 
 def test_kernel_rejects_bad_arguments():

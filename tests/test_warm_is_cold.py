@@ -285,3 +285,28 @@ def test_overlap_is_exact_for_views_of_one_buffer():
                       for idx in torch.cartesian_prod(*[torch.arange(n) for n in t.shape]).reshape(
                           -1, t.dim()).tolist()} for t in (a, b)]
         assert overlapping(a, b) == bool(addresses[0] & addresses[1]), (a.shape, a.stride(), b.shape, b.stride())
+
+
+def test_an_argument_given_twice_is_never_prepared():
+    """``apply_rotary_qk(x, x, ...)`` and ``rotate_into_cache(k, k, ...)`` run the checks on every call: no key kept."""
+    q, _, cos, sin = _qk()
+    prepared.clear()
+    for _ in range(2):
+        ropekit.apply_rotary_qk(q, q, cos, sin)
+        ropekit.rotate_into_cache(q, q, cos, sin, torch.zeros(B, H, MAX_LEN, D), torch.zeros(B, H, MAX_LEN, D), 1)
+    assert not prepared.calls
+
+
+def test_interleaved_views_in_place_are_prepared_and_exact():
+    """q, k interleaved in one buffer (byte ranges intersect, no shared element): prepared, equal to cold calls."""
+    qkv = torch.randn(B, H, S, 3 * D, dtype=torch.float64)
+    cos, sin = _tables(torch.arange(S))
+    want = qkv.clone()
+    for _ in range(3):
+        prepared.clear()
+        ropekit.apply_rotary_qk(want[..., :D], want[..., D:2 * D], cos, sin, inplace=True)
+    prepared.clear()
+    for _ in range(3):
+        ropekit.apply_rotary_qk(qkv[..., :D], qkv[..., D:2 * D], cos, sin, inplace=True)
+    assert len(prepared.calls) == 1
+    assert torch.equal(qkv, want)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .ops import operators, prepared
+from .ops import operators, prepared, prepared_keys
 from .ops.dispatch import check_runs, resolve
 from .ops.dispatch import get as get_backend
 from .ops.eager import rotate_differentiable
@@ -130,9 +130,7 @@ def apply_rotary_qk(
     Returns:
         ``(q_rotated, k_rotated)`` with the shapes and dtypes of q and k.
     """
-    key = prepared.signature("apply_rotary_qk", (q, k, cos, sin), (layout, inplace, backend),
-                             written=2 if inplace is True else 0)
-    run = prepared.lookup(key)
+    key, run = prepared_keys.apply_rotary_qk(q, k, cos, sin, layout, inplace, backend)
     if run is not None:
         return run(q, k, cos, sin)
     check_float_tensor(q, "q")
@@ -160,7 +158,8 @@ def apply_rotary_qk(
         return (operators.rotate(q, cos, sin, layout=layout, backend=name, inplace=inplace),
                 operators.rotate(k, cos, sin, layout=layout, backend=name, inplace=inplace))
     if operators.direct(q, k, cos, sin):
-        prepared.keep(key, get_backend(name).prepared((q, k, cos, sin), layout=layout, inplace=inplace))
+        prepared.keep(key, get_backend(name).prepared((q, k, cos, sin), layout=layout, inplace=inplace),
+                      (q, k, cos, sin))
     return operators.rotate_pair(q, k, cos, sin, layout=layout, backend=name, inplace=inplace)
 
 
@@ -200,9 +199,7 @@ def apply_rotary(
     activations). When ``cos``/``sin`` require grad (learned frequencies) a composite
     path is used that also differentiates the tables.
     """
-    key = prepared.signature("apply_rotary", (x, cos, sin), (layout, inplace, backend),
-                             written=1 if inplace is True else 0)
-    run = prepared.lookup(key)
+    key, run = prepared_keys.apply_rotary(x, cos, sin, layout, inplace, backend)
     if run is not None:
         return run(x, cos, sin)
     check_float_tensor(x, "x")
@@ -219,7 +216,7 @@ def apply_rotary(
     name = resolve(backend, x.device.type)
     check_runs(backend, name, {"x": x})
     if operators.direct(x, cos, sin):
-        prepared.keep(key, get_backend(name).prepared((x, cos, sin), layout=layout, inplace=inplace))
+        prepared.keep(key, get_backend(name).prepared((x, cos, sin), layout=layout, inplace=inplace), (x, cos, sin))
     return operators.rotate(x, cos, sin, layout=layout, backend=name, inplace=inplace)
 
 

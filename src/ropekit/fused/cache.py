@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..functional import _check_tables
-from ..ops import operators_fused, prepared
+from ..ops import operators_fused, prepared, prepared_keys
 from ..ops.dispatch import check_runs, resolve
 from ..ops.dispatch import get as get_backend
 from ..ops.memory import check_not_shared
@@ -131,12 +131,10 @@ def rotate_into_cache(
 
     No autograd (a cache write): k and v must not require grad while grad is enabled.
     """
-    slots_int = type(slots) is int
-    key = prepared.signature(
-        "rotate_into_cache", (k_cache, v_cache, k, v, cos, sin, None if slots_int else slots, k_weight),
-        (layout, eps, norm, weight_offset, block_size, backend, type(slots), slots_int and slots >= 0), written=2)
-    run = prepared.lookup(key)
+    key, run = prepared_keys.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight, eps, norm,
+                                               weight_offset, block_size, backend)
     if run is not None:
+        slots_int = type(slots) is int
         try:  # the kernels check the slots' values (inside the caches) on every call, before writing
             run(k, v, cos, sin, k_cache, v_cache, None if slots_int else slots, slots if slots_int else 0, k_weight)
             return
@@ -169,9 +167,10 @@ def rotate_into_cache(
     call = dict(k_weight=k_weight, eps=eps, weight_offset=weight_offset, per_token=per_token, block_size=paged_block,
                 layout=layout)
     if operators_fused.direct(k, v, cos, sin, k_cache, v_cache):
-        prepared.keep(key, kernel.prepared_cache_write(
+        write = kernel.prepared_cache_write(
             k_weight_given=k_weight is not None, like=(k, v, cos, sin, k_cache, v_cache, slot_tensor, k_weight),
-            **{n: value for n, value in call.items() if n != "k_weight"}))
+            **{n: value for n, value in call.items() if n != "k_weight"})
+        prepared.keep(key, write, (k_cache, v_cache, k, v, cos, sin, slots, k_weight))
     operators_fused.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slot_tensor, start, backend=name, **call)
 
 

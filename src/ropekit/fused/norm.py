@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..functional import _check_inplace, _check_tables
-from ..ops import operators_fused, prepared
+from ..ops import operators_fused, prepared, prepared_keys
 from ..ops.dispatch import check_runs, resolve
 from ..ops.dispatch import get as get_backend
 from ..ops.memory import check_not_shared
@@ -126,9 +126,8 @@ def rms_norm_rotary_qk(
     Autograd: gradients reach q, k and the weights (not cos/sin); the backward recomputes the
     norm from q and k (nothing else of their size is saved).
     """
-    key = prepared.signature("rms_norm_rotary_qk", (q, k, q_weight, k_weight, cos, sin),
-                             (eps, norm, layout, weight_offset, inplace, backend), written=2 if inplace is True else 0)
-    run = prepared.lookup(key)
+    key, run = prepared_keys.rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, eps, norm, layout, weight_offset,
+                                                inplace, backend)
     if run is not None:
         return run(q, k, q_weight, k_weight, cos, sin)
     eps, weight_offset, per_token = _check_options(eps, weight_offset, norm, layout, inplace,
@@ -158,7 +157,8 @@ def rms_norm_rotary_qk(
     if operators_fused.direct_with_weights(q, k, cos, sin, weights=(q_weight, k_weight)):
         kernel = get_backend(name)
         options_of_kernel = {n: v for n, v in call.items() if n != "backend"}
-        prepared.keep(key, lambda *tensors: kernel.rms_norm_rotate_pair(*tensors, **options_of_kernel))
+        prepared.keep(key, lambda *tensors: kernel.rms_norm_rotate_pair(*tensors, **options_of_kernel),
+                      (q, k, cos, sin, q_weight, k_weight))
     return operators_fused.rms_norm_rotate_pair(q, k, q_weight, k_weight, cos, sin, **call)
 
 

@@ -5,18 +5,21 @@ call runs every check and keeps the kernel call it leads to under its signature;
 the same signature runs that kernel call directly. A warm call is a cold call: the signature
 holds everything the checks read, so a call found here would pass every check of a cold one.
 
-:func:`signature` is, for one entry point (``form``):
+A signature (built per entry point by :mod:`ropekit.ops.prepared_keys`, one flat tuple) holds:
 
-- each tensor argument's type, shape, strides, dtype and device (``None`` for an absent
-  optional tensor): every size and dtype check, the tables' batch sizes and the internal-overlap
-  check of an in-place tensor depend on nothing else;
-- which arguments are the same object;
+- each tensor argument's shape, strides, dtype and device (True for the CPU), and its type where a
+  ``nn.Parameter`` is accepted (``None`` for an absent optional tensor): every size and dtype
+  check, the tables' batch sizes and the internal-overlap check of an in-place tensor depend on
+  nothing else;
 - each option's type and value (``inplace=1`` is not ``inplace=True``), the backend's name
   included;
-- no signature at all (the checks run) when a tensor would record a gradient, under
-  ``torch.compile``, for tensor subclasses and non-strided layouts, or when a tensor the call
-  writes shares memory with another argument (:func:`ropekit.ops.memory.overlapping`; this
-  is computed on every call, since a new tensor may be a view of an old one).
+- no signature at all (the checks run) when an argument is given twice (``q is k``, ``cos is
+  sin``), when a tensor would record a gradient, under ``torch.compile``, for tensor subclasses
+  and non-strided layouts, or when a tensor the call writes shares memory with another argument.
+  The last is decided on every call, since a new tensor may be a view of an old one: the byte
+  ranges ``[data_ptr, data_ptr + extent)`` of the arguments (their extents kept with the call,
+  the signature fixing them) are compared, and only ranges that intersect are tested exactly
+  (:func:`apart`, :func:`ropekit.ops.memory.overlapping`).
 
 What no signature holds, the values inside tensors (positions, cache slots), the kernels check
 on every call. :func:`clear` forgets every prepared call (a process that never called anything);
@@ -27,95 +30,49 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import Tensor
-from torch.nn import Parameter
 
 from .dispatch import on_register
 from .memory import overlapping
 
-_is_compiling = torch.compiler.is_compiling
 PREPARED_MAX = 256  # signatures kept at most (a loop uses a few; a varying workload starts over)
-_calls: dict[tuple, Callable] = {}
+calls: dict[tuple, tuple] = {}  # signature -> (call, byte extent of each of the signature's tensors)
 
 
 def clear() -> None:
     """Forget every prepared call: the next call of each signature is checked as in a fresh process."""
-    _calls.clear()
+    calls.clear()
 
 
 on_register(clear)
 
 
-_NOT_TENSOR = object()
+def extent(t: Tensor | None) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of its last element (0: None, non-tensors, no elements)."""
+    if not isinstance(t, Tensor) or t.numel() == 0:
+        return 0
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
 
-def _tensor_key(t) -> tuple | None:
-    """What the checks read of one tensor argument (``_NOT_TENSOR`` for subclasses and other objects)."""
-    if t is None:
-        return None
-    kind = type(t)
-    if kind is not Tensor and kind is not Parameter:
-        return _NOT_TENSOR
-    return kind, t.shape, t.stride(), t.dtype, t.device
+def keep(key: tuple | None, call: Callable, tensors: tuple) -> None:
+    """Keep ``call`` for ``key``, a signature whose call has just passed every check.
 
-
-def _shares_memory(tensors: tuple, written: int) -> bool:
-    """Whether one of the first ``written`` tensors shares memory with a later argument (storages first: cheap)."""
-    storages = [None if t is None else t.untyped_storage().data_ptr() for t in tensors]
-    for i in range(written):
-        for j in range(i + 1, len(tensors)):
-            if storages[j] == storages[i] and overlapping(tensors[i], tensors[j]):
-                return True
-    return False
-
-
-def signature(form: str, tensors: tuple, options: tuple, *, written: int = 0) -> tuple | None:
-    """The key of a call of ``form`` (see the module docstring), or None: no shortcut, run the checks.
-
-    Args:
-        form: the entry point's name.
-        tensors: its tensor arguments in a fixed order, the ones it writes first; None for an
-            absent optional one.
-        options: every other argument (ints, floats, strings, bools, None), each keyed by type and value.
-        written: how many of the first ``tensors`` the call writes (0 out of place).
+    ``tensors`` are the signature's tensors in the order its entry point unpacks their extents.
     """
-    if _is_compiling():
-        return None
-    try:
-        key = (form, options, *map(type, options), *map(_tensor_key, tensors))
-    except (RuntimeError, AttributeError):  # stride(): sparse layouts; non-tensors
-        return None
-    if _NOT_TENSOR in key:
-        return None
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return None
-    if len(set(map(id, tensors))) != len(tensors):  # an argument given twice: which ones is part of the signature
-        ids = list(map(id, tensors))
-        key += tuple(map(ids.index, ids))
-    if written and _shares_memory(tensors, written):
-        return None
-    return key
-
-
-def lookup(key: tuple | None) -> Callable | None:
-    """The call kept for ``key``, or None (also for an unhashable option: the checks name it)."""
-    if key is None:
-        return None
-    try:
-        return _calls.get(key)
-    except TypeError:
-        return None
-
-
-def keep(key: tuple | None, call: Callable) -> None:
-    """Keep ``call`` for ``key``, a signature whose call has just passed every check."""
     if key is None:
         return
-    try:
-        hash(key)
-    except TypeError:
-        return
-    if len(_calls) >= PREPARED_MAX:
-        _calls.clear()
-    _calls[key] = call
+    if len(calls) >= PREPARED_MAX:
+        calls.clear()
+    calls[key] = (call, *map(extent, tensors))
+
+
+def apart(written: tuple, others: tuple) -> bool:
+    """Whether no tensor of ``written`` shares memory with a later one of ``written`` or one of ``others`` (exact).
+
+    Called only when byte ranges intersect (views of one buffer); None and non-tensors are skipped.
+    """
+    for i, t in enumerate(written):
+        for u in (*written[i + 1:], *others):
+            if isinstance(u, Tensor) and overlapping(t, u):
+                return False
+    return True
