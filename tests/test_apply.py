@@ -346,10 +346,11 @@ def test_inplace_bumps_the_version_so_autograd_sees_the_change(backend):
 
 def test_repeated_call_takes_the_fast_path_and_still_checks_new_signatures(monkeypatch):
     from ropekit import functional
+    from ropekit.ops import prepared
 
     cos, sin = cos_sin(torch.arange(3), base_inv_freq(8))
     x = torch.randn(2, 3, 8)
-    monkeypatch.setattr(functional, "_prepared", {})
+    prepared.clear()
     first = apply_rotary(x, cos, sin)
     real = functional._check_tables
     monkeypatch.setattr(functional, "_check_tables", lambda *args: pytest.fail("checks ran again"))

@@ -97,6 +97,7 @@ def test_decode_step_is_one_native_call(monkeypatch):
     """On the CPU q and k go to the kernel once, not once per tensor, on the first call (checks)
     and on the next ones (the fast path)."""
     from ropekit import functional
+    from ropekit.ops import prepared
 
     q, k, cos, sin = decode_inputs()
     cpu = ops.get("cpu")
@@ -111,11 +112,11 @@ def test_decode_step_is_one_native_call(monkeypatch):
     monkeypatch.setattr(cpu, "_pair", counting(cpu._pair, "pair"))
     monkeypatch.setattr(cpu, "_rotate", counting(cpu._rotate, "single"))
     expected = apply_rotary(q, cos, sin, backend="torch"), apply_rotary(k, cos, sin, backend="torch")
-    monkeypatch.setattr(functional, "_prepared", {})
+    prepared.clear()
     for step in range(1, 4):
         q_out, k_out = apply_rotary_qk(q, k, cos, sin)
         assert calls == {"pair": step, "single": 0}
-        assert len(functional._prepared) == 1
+        assert len(prepared.calls) == 1
         # the next calls take the fast path: they never reach the checks
         monkeypatch.setattr(functional, "_check_tables", lambda *args: pytest.fail("checks ran again"))
         assert_bits(q_out, expected[0])

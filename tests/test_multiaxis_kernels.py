@@ -11,8 +11,9 @@ import torch
 
 import ropekit
 from multiaxis_cases import PLANS, assert_close_to_reference, positions_for
-from ropekit import functional, ops
+from ropekit import ops
 from ropekit.nn import MultiAxisRotaryEmbedding
+from ropekit.ops import prepared
 
 pytestmark = pytest.mark.skipif("cpu" not in ops.available(), reason="C++ CPU kernel unavailable (no compiler)")
 
@@ -31,9 +32,9 @@ def kernel_calls(monkeypatch):
             return _real(*args)
 
         monkeypatch.setattr(backend, name, counting)
-    functional._prepared.clear()  # calls prepared before the spy would bypass it
+    prepared.clear()  # calls prepared before the spy would bypass it
     yield calls
-    functional._prepared.clear()
+    prepared.clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

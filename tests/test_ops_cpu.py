@@ -436,22 +436,22 @@ def test_tables_are_converted_and_empty_inputs_work():
 
 
 def test_repeated_calls_reuse_checks_not_data(monkeypatch):
-    """A decode loop: the checks of a signature are kept (functional._prepared), never the data."""
-    from ropekit import functional
+    """A decode loop: the checks of a signature are kept (ropekit.ops.prepared), never the data."""
+    from ropekit.ops import prepared
 
     gen = torch.Generator().manual_seed(8)
     inv_freq = ropekit.inv_frequencies(32)[0]
-    monkeypatch.setattr(functional, "_prepared", {})
+    prepared.clear()
     for step in range(3):  # same shapes, new tokens and positions
         x = torch.randn(4, 6, 1, 40, generator=gen)
         cos, sin = ropekit.cos_sin(torch.randint(0, 100, (4,), generator=gen), inv_freq)
         cos, sin = cos[:, None, None], sin[:, None, None]
         assert_same(ropekit.apply_rotary(x, cos, sin, backend="cpu"), torch_eager.rotate(x, cos, sin, layout="half"))
-        assert len(functional._prepared) == (1 if step == 0 else 2)
+        assert len(prepared.calls) == (1 if step == 0 else 2)
         converted = (cos.double(), sin.double())
         assert_same(ropekit.apply_rotary(x, *converted, backend="cpu"),
                     torch_eager.rotate(x, *converted, layout="half"))
-        assert len(functional._prepared) == 2
+        assert len(prepared.calls) == 2
 
 
 def test_kernel_rejects_bad_arguments():

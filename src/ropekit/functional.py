@@ -16,30 +16,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .ops import operators
+from .ops import operators, prepared, prepared_keys
+from .ops.dispatch import check_runs, resolve
 from .ops.dispatch import get as get_backend
-from .ops.dispatch import on_register, resolve
 from .ops.eager import rotate_differentiable
+from .ops.memory import check_not_shared
 from .ops.positions import check_shapes
 from .validation import check_float_tensor, check_layout
-
-# Signatures (shapes, strides, dtypes and devices of every tensor, and the options) whose checks
-# passed, with the backend call they lead to: a decode loop repeats one signature, so what is
-# left per step is the kernel. Only used with nothing to record or trace (see ops.operators).
-_PREPARED_MAX = 256
-_prepared: dict[tuple, object] = {}
-on_register(lambda: _prepared.clear())  # a name may now mean another backend
-
-
-def _remember(tensors: tuple, options: tuple, call) -> None:
-    """Keep ``call`` for the signature of ``tensors`` and ``options`` (which passed every check)."""
-    if torch.compiler.is_compiling() or any(type(t) is not Tensor or t.layout is not torch.strided for t in tensors):
-        return
-    if len(_prepared) >= _PREPARED_MAX:
-        _prepared.clear()
-    key = [v for t in tensors for v in (t.shape, t.stride(), t.dtype, t.device)]
-    _prepared[(*key, *options)] = call
-
 
 _EXACT_OVERLAP_MAX = 1 << 22  # elements up to which an unusual layout is checked element by element
 
@@ -147,16 +130,9 @@ def apply_rotary_qk(
     Returns:
         ``(q_rotated, k_rotated)`` with the shapes and dtypes of q and k.
     """
-    if type(q) is type(k) is type(cos) is type(sin) is Tensor and not torch.compiler.is_compiling():
-        try:
-            run = _prepared.get((q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-                                 cos.shape, cos.stride(), cos.dtype, cos.device, sin.shape, sin.stride(), sin.dtype,
-                                 sin.device, "qk", layout, inplace, backend))
-        except (RuntimeError, TypeError):  # no strides (sparse), unhashable options: the checks say what is wrong
-            run = None
-        if run is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                 or cos.requires_grad or sin.requires_grad)):
-            return run(q, k, cos, sin)
+    key, run = prepared_keys.apply_rotary_qk(q, k, cos, sin, layout, inplace, backend)
+    if run is not None:
+        return run(q, k, cos, sin)
     check_float_tensor(q, "q")
     check_float_tensor(k, "k")
     _check_options(layout, inplace)
@@ -171,16 +147,19 @@ def apply_rotary_qk(
         _check_inplace(k, "k")
     _check_tables(q, cos, sin)
     _check_tables(k, cos, sin)
+    if inplace:
+        check_not_shared({"q": q, "k": k}, {"cos": cos, "sin": sin}, "inplace=True")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return (apply_rotary(q, cos, sin, layout=layout, inplace=inplace, backend=backend),
                 apply_rotary(k, cos, sin, layout=layout, inplace=inplace, backend=backend))
     name = resolve(backend, q.device.type)
+    check_runs(backend, name, {"q": q, "k": k})
     if k.dim() != q.dim():  # tables viewed for q do not fit k: one call each
         return (operators.rotate(q, cos, sin, layout=layout, backend=name, inplace=inplace),
                 operators.rotate(k, cos, sin, layout=layout, backend=name, inplace=inplace))
     if operators.direct(q, k, cos, sin):
-        run = get_backend(name).prepared((q, k, cos, sin), layout=layout, inplace=inplace)
-        _remember((q, k, cos, sin), ("qk", layout, inplace, backend), run)
+        prepared.keep(key, get_backend(name).prepared((q, k, cos, sin), layout=layout, inplace=inplace),
+                      (q, k, cos, sin))
     return operators.rotate_pair(q, k, cos, sin, layout=layout, backend=name, inplace=inplace)
 
 
@@ -220,29 +199,24 @@ def apply_rotary(
     activations). When ``cos``/``sin`` require grad (learned frequencies) a composite
     path is used that also differentiates the tables.
     """
-    if type(x) is type(cos) is type(sin) is Tensor and not torch.compiler.is_compiling():
-        try:
-            run = _prepared.get((x.shape, x.stride(), x.dtype, x.device, cos.shape, cos.stride(), cos.dtype,
-                                 cos.device, sin.shape, sin.stride(), sin.dtype, sin.device, "x", layout, inplace,
-                                 backend))
-        except (RuntimeError, TypeError):  # no strides (sparse), unhashable options: the checks say what is wrong
-            run = None
-        if run is not None and not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad
-                                                                 or sin.requires_grad)):
-            return run(x, cos, sin)
+    key, run = prepared_keys.apply_rotary(x, cos, sin, layout, inplace, backend)
+    if run is not None:
+        return run(x, cos, sin)
     check_float_tensor(x, "x")
     _check_options(layout, inplace)
     if inplace:
         _check_inplace(x, "x")
     _check_tables(x, cos, sin)
+    if inplace:
+        check_not_shared({"x": x}, {"cos": cos, "sin": sin}, "inplace=True")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         if not inplace:
             return rotate_differentiable(x, cos, sin, layout=layout)
         return x.copy_(rotate_differentiable(x.clone(), cos, sin, layout=layout))
     name = resolve(backend, x.device.type)
+    check_runs(backend, name, {"x": x})
     if operators.direct(x, cos, sin):
-        _remember((x, cos, sin), ("x", layout, inplace, backend),
-                  get_backend(name).prepared((x, cos, sin), layout=layout, inplace=inplace))
+        prepared.keep(key, get_backend(name).prepared((x, cos, sin), layout=layout, inplace=inplace), (x, cos, sin))
     return operators.rotate(x, cos, sin, layout=layout, backend=name, inplace=inplace)
 
 
@@ -256,7 +230,8 @@ def _unflatten_heads(t: Tensor, head_size: int, name: str) -> Tensor:
     return t.unflatten(-1, (t.shape[-1] // head_size, head_size))
 
 
-def _by_position_checks(q: Tensor, k: Tensor | None, cos_table: Tensor, sin_table: Tensor, inplace: bool) -> None:
+def _by_position_checks(q: Tensor, k: Tensor | None, cos_table: Tensor, sin_table: Tensor, inplace: bool,
+                        position_tensors: dict) -> None:
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
     if inplace:
@@ -265,6 +240,8 @@ def _by_position_checks(q: Tensor, k: Tensor | None, cos_table: Tensor, sin_tabl
         _check_inplace(q, "q" if k is not None else "x")
         if k is not None:
             _check_inplace(k, "k")
+        written = {"q": q, "k": k} if k is not None else {"x": q}
+        check_not_shared(written, {"cos_table": cos_table, "sin_table": sin_table, **position_tensors}, "inplace=True")
     if torch.is_grad_enabled() and (cos_table.requires_grad or sin_table.requires_grad):
         raise ValueError("rotation by position does not differentiate cos_table/sin_table; use apply_rotary for "
                          "learned tables")
@@ -314,8 +291,10 @@ def rotate(
         ValueError: bad shapes, or positions outside the tables (checked before any kernel runs).
     """
     where = check_shapes(x, None, cos_table, sin_table, positions, offsets, cu_seqlens, max_seqlen, seq_dim, layout)
-    _by_position_checks(x, None, cos_table, sin_table, inplace)
+    _by_position_checks(x, None, cos_table, sin_table, inplace,
+                        {"positions": positions, "offsets": offsets, "cu_seqlens": cu_seqlens})
     name = resolve(backend, x.device.type)
+    check_runs(backend, name, {"x": x})
     return operators.rotate_positions(x, cos_table, sin_table, where, layout=layout, backend=name, inplace=inplace)
 
 
@@ -376,7 +355,9 @@ def rotate_qk(
                                  inplace=inplace, backend=backend)
         return (q, k) if inplace else (q_out.flatten(-2), k_out.flatten(-2))
     where = check_shapes(q, k, cos_table, sin_table, positions, offsets, cu_seqlens, max_seqlen, seq_dim, layout)
-    _by_position_checks(q, k, cos_table, sin_table, inplace)
+    _by_position_checks(q, k, cos_table, sin_table, inplace,
+                        {"positions": positions, "offsets": offsets, "cu_seqlens": cu_seqlens})
     name = resolve(backend, q.device.type)
+    check_runs(backend, name, {"q": q, "k": k})
     return operators.rotate_pair_positions(q, k, cos_table, sin_table, where, layout=layout, backend=name,
                                            inplace=inplace)

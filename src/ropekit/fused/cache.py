@@ -20,9 +20,10 @@ import torch
 from torch import Tensor
 
 from ..functional import _check_tables
-from ..ops import operators_fused
+from ..ops import operators_fused, prepared, prepared_keys
+from ..ops.dispatch import check_runs, resolve
 from ..ops.dispatch import get as get_backend
-from ..ops.dispatch import on_register, resolve
+from ..ops.memory import check_not_shared
 from ..validation import (
     check_finite_float,
     check_float_tensor,
@@ -33,27 +34,6 @@ from ..validation import (
 )
 
 _INT64_END = 2**63  # slots are int64: every slot is below this
-_PREPARED_MAX = 256
-_prepared: dict[tuple, object] = {}
-on_register(lambda: _prepared.clear())
-
-
-def _call_key(k, v, cos, sin, k_cache, v_cache, k_weight, slots, options: tuple) -> tuple | None:
-    """The key of a call's prepared kernel, or None (no fast path).
-
-    Only the options, k's dtype and device and the kinds of slots and weight: the kernels check
-    everything their memory accesses depend on (shapes, strides, devices, slots inside the cache)
-    on every call, and a call they refuse is validated again here, which names what is wrong.
-    """
-    if torch.compiler.is_compiling() or not (type(k) is type(v) is type(cos) is type(sin) is type(k_cache)
-                                             is type(v_cache) is Tensor):
-        return None
-    key = (k.dtype, k.device, v.dtype, k_weight is None, type(slots), getattr(slots, "dtype", None), *options)
-    try:
-        hash(key)
-    except TypeError:  # an unhashable option: the checks say what is wrong with it
-        return None
-    return key
 
 
 def _check_slots(slots, k: Tensor, paged: bool, k_cache: Tensor | None = None) -> tuple[Tensor | None, int]:
@@ -179,17 +159,15 @@ def rotate_into_cache(
 
     No autograd (a cache write): k and v must not require grad while grad is enabled.
     """
-    start = slots if type(slots) is int else None
-    key = _call_key(k, v, cos, sin, k_cache, v_cache, k_weight, None if start is not None else slots,
-                    (layout, eps, norm, weight_offset, block_size, backend))
-    run = _prepared.get(key) if key is not None else None
-    if run is not None and (start is None or start >= 0) and not (
-            torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
-        try:
-            run(k, v, cos, sin, k_cache, v_cache, slots if start is None else None, start or 0, k_weight)
+    key, run = prepared_keys.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight, eps, norm,
+                                               weight_offset, block_size, backend)
+    if run is not None:
+        slots_int = type(slots) is int
+        try:  # the kernels check the slots' values (inside the caches) on every call, before writing
+            run(k, v, cos, sin, k_cache, v_cache, None if slots_int else slots, slots if slots_int else 0, k_weight)
             return
         except (RuntimeError, ValueError, TypeError):
-            pass  # the checks below name the argument (or this call raises the kernel's error again)
+            pass  # the checks below raise what a first call raises (or this call raises the kernel's error again)
     check_layout(layout)
     paged_block = _check_caches(k, v, k_cache, v_cache, block_size)
     slot_tensor, start = _check_slots(slots, k, paged_block > 0, k_cache)
@@ -205,18 +183,22 @@ def rotate_into_cache(
     if k_weight is None and weight_offset != 0.0:
         raise ValueError(f"k_weight is None but weight_offset={weight_offset!r} is not 0")
     _check_tables(k, cos, sin)
+    check_not_shared({"k_cache": k_cache, "v_cache": v_cache},
+                     {"k": k, "v": v, "cos": cos, "sin": sin, "slots": slots, "k_weight": k_weight},
+                     "rotate_into_cache")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (k, v, cos, sin)):
         raise ValueError("rotate_into_cache writes a cache and has no autograd: call it under torch.no_grad() (or "
                          "pass detached tensors)")
     name = resolve(backend, k.device.type)
+    check_runs(backend, name, {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache})
     kernel = get_backend(name)
     call = dict(k_weight=k_weight, eps=eps, weight_offset=weight_offset, per_token=per_token, block_size=paged_block,
                 layout=layout)
-    if key is not None and operators_fused.direct(k, v, cos, sin, k_cache, v_cache):
-        if len(_prepared) >= _PREPARED_MAX:
-            _prepared.clear()
-        _prepared[key] = kernel.prepared_cache_write(
-            k_weight_given=k_weight is not None, **{n: value for n, value in call.items() if n != "k_weight"})
+    if operators_fused.direct(k, v, cos, sin, k_cache, v_cache):
+        write = kernel.prepared_cache_write(
+            k_weight_given=k_weight is not None, like=(k, v, cos, sin, k_cache, v_cache, slot_tensor, k_weight),
+            **{n: value for n, value in call.items() if n != "k_weight"})
+        prepared.keep(key, write, (k_cache, v_cache, k, v, cos, sin, slots, k_weight))
     operators_fused.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slot_tensor, start, backend=name, **call)
 
 

@@ -23,9 +23,10 @@ import torch
 from torch import Tensor
 
 from ..functional import _check_inplace, _check_tables
-from ..ops import operators_fused
+from ..ops import operators_fused, prepared, prepared_keys
+from ..ops.dispatch import check_runs, resolve
 from ..ops.dispatch import get as get_backend
-from ..ops.dispatch import on_register, resolve
+from ..ops.memory import check_not_shared
 from ..validation import (
     check_finite_float,
     check_float_tensor,
@@ -34,31 +35,6 @@ from ..validation import (
     check_norm_weight,
     check_positive_float,
 )
-
-# Signatures that passed every check, with the backend they resolved to (see functional._prepared).
-_PREPARED_MAX = 256
-_prepared: dict[tuple, object] = {}
-on_register(lambda: _prepared.clear())
-
-
-def _signature(tensors: tuple, options: tuple) -> tuple | None:
-    """The key of a call (shapes, strides, dtypes, devices of every tensor, the options), or None."""
-    if torch.compiler.is_compiling():
-        return None
-    key = []
-    for t in tensors:
-        if t is None:
-            key.append(None)
-        elif type(t) not in (Tensor, torch.nn.Parameter) or t.layout is not torch.strided:  # weights: parameters
-            return None
-        else:
-            key += [t.shape, t.stride(), t.dtype, t.device]
-    key = (*key, *options)
-    try:
-        hash(key)
-    except TypeError:  # an unhashable option: the checks say what is wrong with it
-        return None
-    return key
 
 
 def _check_options(eps, weight_offset, norm, layout, inplace, weights: dict) -> tuple[float, float, bool]:
@@ -150,11 +126,9 @@ def rms_norm_rotary_qk(
     Autograd: gradients reach q, k and the weights (not cos/sin); the backward recomputes the
     norm from q and k (nothing else of their size is saved).
     """
-    options = ("qk", eps, norm, layout, weight_offset, inplace, backend)
-    key = _signature((q, k, q_weight, k_weight, cos, sin), options)
-    run = _prepared.get(key) if key is not None else None
-    if run is not None and not (torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, q_weight, k_weight, cos, sin))):
+    key, run = prepared_keys.rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, eps, norm, layout, weight_offset,
+                                                inplace, backend)
+    if run is not None:
         return run(q, k, q_weight, k_weight, cos, sin)
     eps, weight_offset, per_token = _check_options(eps, weight_offset, norm, layout, inplace,
                                                    {"q_weight": q_weight, "k_weight": k_weight})
@@ -174,15 +148,17 @@ def rms_norm_rotary_qk(
             raise ValueError("inplace=True needs distinct q and k tensors (the same tensor would be written twice)")
         _check_inplace(q, "q")
         _check_inplace(k, "k")
+        check_not_shared({"q": q, "k": k}, {"q_weight": q_weight, "k_weight": k_weight, "cos": cos, "sin": sin},
+                         "inplace=True")
     name = resolve(backend, q.device.type)
+    check_runs(backend, name, {"q": q, "k": k})
     call = dict(eps=eps, weight_offset=weight_offset, per_token=per_token, layout=layout, backend=name,
                 inplace=inplace)
-    if key is not None and operators_fused.direct_with_weights(q, k, cos, sin, weights=(q_weight, k_weight)):
+    if operators_fused.direct_with_weights(q, k, cos, sin, weights=(q_weight, k_weight)):
         kernel = get_backend(name)
         options_of_kernel = {n: v for n, v in call.items() if n != "backend"}
-        if len(_prepared) >= _PREPARED_MAX:
-            _prepared.clear()
-        _prepared[key] = lambda *tensors: kernel.rms_norm_rotate_pair(*tensors, **options_of_kernel)
+        prepared.keep(key, lambda *tensors: kernel.rms_norm_rotate_pair(*tensors, **options_of_kernel),
+                      (q, k, cos, sin, q_weight, k_weight))
     return operators_fused.rms_norm_rotate_pair(q, k, q_weight, k_weight, cos, sin, **call)
 
 
@@ -210,6 +186,8 @@ def rms_norm_rotary(
     _check_grad({"x": x, "weight": weight}, cos, sin, inplace)
     if inplace:
         _check_inplace(x, "x")
+        check_not_shared({"x": x}, {"weight": weight, "cos": cos, "sin": sin}, "inplace=True")
     name = resolve(backend, x.device.type)
+    check_runs(backend, name, {"x": x})
     return operators_fused.rms_norm_rotate(x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
                                            per_token=per_token, layout=layout, backend=name, inplace=inplace)

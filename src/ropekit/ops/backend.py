@@ -48,6 +48,13 @@ class Backend:
         """Whether the kernels can run in this process (may build or import them; never raises)."""
         return True
 
+    def cannot_run(self, x: Tensor) -> str | None:
+        """None when this backend's own kernels run ``x``; else what they take (for the error of an explicit name).
+
+        Default: None (every tensor; a backend that falls back to another kernel says so here).
+        """
+        return None
+
     def rotate(self, x: Tensor, cos: Tensor, sin: Tensor, *, layout: str, conjugate: bool, inplace: bool) -> Tensor:
         """Rotate ``x`` of shape ``(..., head_dim)`` with broadcast tables (see the module docstring)."""
         raise NotImplementedError(f"backend {self.name!r} does not implement rotate")
@@ -116,11 +123,14 @@ class Backend:
         fused_eager.write_slots(k_rot, v, k_cache, v_cache, slots, start, block_size)
 
     def prepared_cache_write(self, *, k_weight_given: bool, eps: float | None, weight_offset: float, per_token: bool,
-                             block_size: int, layout: str):
+                             block_size: int, layout: str, like: tuple = ()):
         """A call ``run(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight)`` of :meth:`rotate_into_cache`.
 
         ``ropekit.rotate_into_cache`` keeps it for a signature that passed every check (a decode
-        loop repeats one); a backend may return a leaner call than this default.
+        loop repeats one; :mod:`ropekit.ops.prepared`); ``like`` holds that call's tensors
+        ``(k, v, cos, sin, k_cache, v_cache, slots, k_weight)`` (the signature's shapes, strides,
+        dtypes and devices). A backend may return a leaner call than this default; it must do
+        what :meth:`rotate_into_cache` would do for such tensors.
         """
         def run(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight):
             self.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight, eps=eps,

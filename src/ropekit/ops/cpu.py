@@ -85,6 +85,10 @@ class CppBackend(Backend):
         """Whether the kernel runs ``x`` (a strided CPU tensor of a kernel dtype); else the eager one does."""
         return x.dtype in KERNEL_DTYPES and x.is_cpu and x.layout is torch.strided
 
+    def cannot_run(self, x: torch.Tensor) -> str | None:
+        """See :class:`ropekit.ops.Backend`: strided CPU tensors of a kernel dtype."""
+        return None if self.takes(x) else "strided CPU tensors of dtype float32, float64, bfloat16 or float16"
+
     def rotate(self, x, cos, sin, *, layout, conjugate, inplace):
         """See :class:`ropekit.ops.Backend`."""
         if self._ops is None:
@@ -164,11 +168,13 @@ class CppBackend(Backend):
                                       per_token, block_size, layout == "interleaved")
         return None
 
-    def prepared_cache_write(self, *, k_weight_given, eps, weight_offset, per_token, block_size, layout):
-        """The extension's function itself, bound to the options (see :class:`Backend`); CPU tensors only."""
-        if not self.is_available():
+    def prepared_cache_write(self, *, k_weight_given, eps, weight_offset, per_token, block_size, layout, like=()):
+        """The extension's function itself, bound to the options (see :class:`Backend`), for tensors it takes."""
+        k, v, cos, sin, k_cache, v_cache, slots, k_weight = like
+        if not (self.is_available() and self._takes_all(k_cache, k, cos, sin, slots, k_weight)
+                and self._takes_all(v_cache, v)):
             return super().prepared_cache_write(k_weight_given=k_weight_given, eps=eps, weight_offset=weight_offset,
-                                                per_token=per_token, block_size=block_size, layout=layout)
+                                                per_token=per_token, block_size=block_size, layout=layout, like=like)
         write, interleaved = self.module.rotate_into_cache, layout == "interleaved"
 
         def run(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight):

@@ -3,7 +3,8 @@
 Built in: ``"torch"`` (eager, any device), ``"cpu"`` (the C++ kernel, built at first use) and
 ``"triton"`` (CUDA; any device under ``TRITON_INTERPRET=1``). ``"auto"`` picks by device: the
 C++ kernel for CPU tensors when it is available, Triton for CUDA tensors when it is installed,
-the eager kernels otherwise. :func:`register` adds a backend under a new name (or replaces
+the eager kernels otherwise. An explicit name never runs another backend's kernel: tensors it cannot
+run raise (:func:`check_runs`). :func:`register` adds a backend under a new name (or replaces
 one); every public entry point then accepts ``backend=<name>``.
 """
 
@@ -92,3 +93,25 @@ def resolve(name: str, device_type: str) -> str:
         if backend is not None and backend.is_available():
             return preferred
     return "torch"
+
+
+def check_runs(requested: str, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError when an explicitly requested backend cannot run ``tensors`` itself.
+
+    ``"auto"`` chooses a backend that runs them (or the eager one), so only an explicit name is
+    checked: ``backend="triton"`` on CPU tensors, or ``backend="cpu"`` on CUDA ones, is refused
+    rather than served by another kernel.
+
+    Args:
+        requested: the ``backend`` argument as given.
+        name: the resolved name (:func:`resolve`).
+        tensors: the tensors the kernel reads and writes (not the tables), by argument name.
+    """
+    if requested == "auto" or torch.compiler.is_compiling():  # a traced call was checked when run eagerly
+        return
+    backend = get(name)
+    for arg, t in tensors.items():
+        takes = backend.cannot_run(t)
+        if takes is not None:
+            raise ValueError(f"backend={requested!r} cannot run {arg} ({t.dtype} on {t.device}): it takes {takes}; "
+                             f"backends available here: {available()}; backend='auto' picks one by device")

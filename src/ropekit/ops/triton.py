@@ -42,6 +42,12 @@ class TritonBackend(Backend):
     def is_available(self) -> bool:  # noqa: D102
         return kern.is_available()
 
+    def cannot_run(self, x: Tensor) -> str | None:
+        """See :class:`ropekit.ops.Backend`: CUDA tensors (any device interpreted) of float32, float16 or bfloat16."""
+        if kern.can_launch(x) and x.dtype in KERNEL_DTYPES:
+            return None
+        return "CUDA tensors (any device under TRITON_INTERPRET=1) of dtype float32, float16 or bfloat16"
+
     def rotate(self, x, cos, sin, *, layout, conjugate, inplace):
         """See :class:`ropekit.ops.Backend`."""
         if not _use_kernel(x, 2 * cos.shape[-1]):

@@ -1,0 +1,186 @@
+"""The signature of a call of each prepared entry point, and the prepared call it finds.
+
+One function per entry point builds the signature :mod:`ropekit.ops.prepared` describes as one
+flat tuple, every attribute read written out: a decode step pays for the signature on every
+call, and a loop over the tensors, a helper per tensor or a storage lookup per argument costs
+more than the kernel call of a small step (a device is read only off the CPU: ``t.is_cpu or
+t.device``, True for every CPU tensor). Each returns ``(key, call)``:
+
+- ``(None, None)``: no shortcut; the checks run and nothing is kept (an argument given twice, a
+  gradient to record, tracing, a subclass or layout without strides, or a written tensor that
+  shares memory with another argument, which the checks then refuse);
+- ``(key, None)``: the checks run, then :func:`ropekit.ops.prepared.keep` keeps the call under ``key``;
+- ``(key, call)``: a prepared call of this signature whose arguments share no memory it writes.
+
+Memory: the byte ranges ``[data_ptr, data_ptr + extent)`` of each written tensor and each other
+tensor argument are compared (the extents, fixed by the signature, were kept with the call);
+only when two intersect is the exact test (:func:`ropekit.ops.prepared.apart`) run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from .prepared import apart, calls
+
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_WEIGHTS = frozenset((Tensor, Parameter, type(None)))  # what an optional weight may be
+_COLD = (None, None)
+
+
+def apply_rotary(x, cos, sin, layout, inplace, backend) -> tuple:
+    """``(key, call)`` of ``apply_rotary``; the call takes ``(x, cos, sin)``."""
+    if (_is_compiling() or type(x) is not Tensor or type(cos) is not Tensor or type(sin) is not Tensor
+            or x is cos or x is sin or cos is sin
+            or (_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad))):
+        return _COLD
+    try:
+        key = ("apply_rotary", layout, type(layout), inplace, type(inplace), backend, type(backend),
+               x.shape, x.stride(), x.dtype, x.is_cpu or x.device,
+               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device)
+        entry = calls.get(key)
+    except (RuntimeError, TypeError):  # stride() of a layout without strides; an unhashable option
+        return _COLD
+    if entry is None:
+        return key, None
+    call, ex, ec, es = entry
+    if inplace is True:
+        px, pc, ps = x.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        if not ((px + ex <= pc or pc + ec <= px) and (px + ex <= ps or ps + es <= px)) and not apart((x,), (cos, sin)):
+            return _COLD
+    return key, call
+
+
+def apply_rotary_qk(q, k, cos, sin, layout, inplace, backend) -> tuple:
+    """``(key, call)`` of ``apply_rotary_qk``; the call takes ``(q, k, cos, sin)``."""
+    if (_is_compiling() or type(q) is not Tensor or type(k) is not Tensor or type(cos) is not Tensor
+            or type(sin) is not Tensor or q is k or q is cos or q is sin or k is cos or k is sin or cos is sin
+            or (_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad))):
+        return _COLD
+    try:
+        key = ("apply_rotary_qk", layout, type(layout), inplace, type(inplace), backend, type(backend),
+               q.shape, q.stride(), q.dtype, q.is_cpu or q.device, k.shape, k.stride(), k.dtype, k.is_cpu or k.device,
+               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device)
+        entry = calls.get(key)
+    except (RuntimeError, TypeError):
+        return _COLD
+    if entry is None:
+        return key, None
+    call, eq, ek, ec, es = entry
+    if inplace is True:
+        pq, pk, pc, ps = q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        if not ((pq + eq <= pk or pk + ek <= pq) and (pq + eq <= pc or pc + ec <= pq)
+                and (pq + eq <= ps or ps + es <= pq) and (pk + ek <= pc or pc + ec <= pk)
+                and (pk + ek <= ps or ps + es <= pk)) and not apart((q, k), (cos, sin)):
+            return _COLD
+    return key, call
+
+
+def rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, eps, norm, layout, weight_offset, inplace,
+                       backend) -> tuple:
+    """``(key, call)`` of ``rms_norm_rotary_qk``; the call takes ``(q, k, q_weight, k_weight, cos, sin)``.
+
+    One weight for both (``q_weight is k_weight``) is part of the signature, not a reason to
+    skip it: the weights are only read.
+    """
+    no_qw, no_kw = q_weight is None, k_weight is None
+    if (_is_compiling() or type(q) is not Tensor or type(k) is not Tensor or type(cos) is not Tensor
+            or type(sin) is not Tensor or type(q_weight) not in _WEIGHTS or type(k_weight) not in _WEIGHTS
+            or q is k or q is cos or q is sin or k is cos or k is sin or cos is sin
+            or q_weight is q or q_weight is k or q_weight is cos or q_weight is sin
+            or k_weight is q or k_weight is k or k_weight is cos or k_weight is sin
+            or (_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad
+                                     or (not no_qw and q_weight.requires_grad)
+                                     or (not no_kw and k_weight.requires_grad)))):
+        return _COLD
+    try:
+        key = ("rms_norm_rotary_qk", eps, type(eps), norm, type(norm), layout, type(layout), weight_offset,
+               type(weight_offset), inplace, type(inplace), backend, type(backend),
+               q.shape, q.stride(), q.dtype, q.is_cpu or q.device, k.shape, k.stride(), k.dtype, k.is_cpu or k.device,
+               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device,
+               type(q_weight), None if no_qw else q_weight.shape, None if no_qw else q_weight.stride(),
+               None if no_qw else q_weight.dtype, None if no_qw else q_weight.is_cpu or q_weight.device,
+               type(k_weight), None if no_kw else k_weight.shape, None if no_kw else k_weight.stride(),
+               None if no_kw else k_weight.dtype, None if no_kw else k_weight.is_cpu or k_weight.device,
+               q_weight is k_weight)
+        entry = calls.get(key)
+    except (RuntimeError, TypeError):
+        return _COLD
+    if entry is None:
+        return key, None
+    call, eq, ek, ec, es, eqw, ekw = entry
+    if inplace is True:
+        pq, pk, pc, ps = q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        pqw = 0 if no_qw else q_weight.data_ptr()
+        pkw = 0 if no_kw else k_weight.data_ptr()
+        if not ((pq + eq <= pk or pk + ek <= pq) and (pq + eq <= pc or pc + ec <= pq)
+                and (pq + eq <= ps or ps + es <= pq) and (pk + ek <= pc or pc + ec <= pk)
+                and (pk + ek <= ps or ps + es <= pk) and (pq + eq <= pqw or pqw + eqw <= pq)
+                and (pq + eq <= pkw or pkw + ekw <= pq) and (pk + ek <= pqw or pqw + eqw <= pk)
+                and (pk + ek <= pkw or pkw + ekw <= pk)) and not apart((q, k), (cos, sin, q_weight, k_weight)):
+            return _COLD
+    return key, call
+
+
+def rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight, eps, norm, weight_offset,
+                      block_size, backend) -> tuple:
+    """``(key, call)`` of ``rotate_into_cache``; the call takes the backend's cache-write arguments.
+
+    An int slot is keyed by its sign (a negative one is refused; the kernels check the rest on
+    every call), a slots tensor like every other tensor.
+    """
+    slots_int, no_kw = type(slots) is int, k_weight is None
+    if (_is_compiling() or type(k) is not Tensor or type(v) is not Tensor or type(cos) is not Tensor
+            or type(sin) is not Tensor or type(k_cache) is not Tensor or type(v_cache) is not Tensor
+            or not (slots_int or type(slots) is Tensor) or type(k_weight) not in _WEIGHTS
+            or k_cache is v_cache or k is v or k is cos or k is sin or v is cos or v is sin or cos is sin
+            or k_cache is k or k_cache is v or k_cache is cos or k_cache is sin
+            or v_cache is k or v_cache is v or v_cache is cos or v_cache is sin
+            or (not slots_int and (slots is k or slots is v or slots is cos or slots is sin or slots is k_cache
+                                   or slots is v_cache or slots is k_weight))
+            or (not no_kw and (k_weight is k or k_weight is v or k_weight is cos or k_weight is sin
+                               or k_weight is k_cache or k_weight is v_cache))
+            or (_grad_enabled() and (k.requires_grad or v.requires_grad or cos.requires_grad or sin.requires_grad
+                                     or k_cache.requires_grad or v_cache.requires_grad
+                                     or (not slots_int and slots.requires_grad)
+                                     or (not no_kw and k_weight.requires_grad)))):
+        return _COLD
+    try:
+        key = ("rotate_into_cache", layout, type(layout), eps, type(eps), norm, type(norm), weight_offset,
+               type(weight_offset), block_size, type(block_size), backend, type(backend),
+               k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.is_cpu or k_cache.device,
+               v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.is_cpu or v_cache.device,
+               k.shape, k.stride(), k.dtype, k.is_cpu or k.device, v.shape, v.stride(), v.dtype,
+               v.is_cpu or v.device,
+               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device,
+               slots_int, slots >= 0 if slots_int else slots.shape, None if slots_int else slots.stride(),
+               None if slots_int else slots.dtype, None if slots_int else slots.is_cpu or slots.device,
+               type(k_weight), None if no_kw else k_weight.shape, None if no_kw else k_weight.stride(),
+               None if no_kw else k_weight.dtype, None if no_kw else k_weight.is_cpu or k_weight.device)
+        entry = calls.get(key)
+    except (RuntimeError, TypeError):
+        return _COLD
+    if entry is None:
+        return key, None
+    call, ekc, evc, ek, ev, ec, es, esl, ekw = entry
+    pkc, pvc, pk, pv, pc, ps = (k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(),
+                                sin.data_ptr())
+    psl = 0 if slots_int else slots.data_ptr()
+    pkw = 0 if no_kw else k_weight.data_ptr()
+    if not ((pkc + ekc <= pvc or pvc + evc <= pkc)
+            and (pkc + ekc <= pk or pk + ek <= pkc) and (pvc + evc <= pk or pk + ek <= pvc)
+            and (pkc + ekc <= pv or pv + ev <= pkc) and (pvc + evc <= pv or pv + ev <= pvc)
+            and (pkc + ekc <= pc or pc + ec <= pkc) and (pvc + evc <= pc or pc + ec <= pvc)
+            and (pkc + ekc <= ps or ps + es <= pkc) and (pvc + evc <= ps or ps + es <= pvc)
+            and (slots_int or ((pkc + ekc <= psl or psl + esl <= pkc) and (pvc + evc <= psl or psl + esl <= pvc)))
+            and (no_kw or ((pkc + ekc <= pkw or pkw + ekw <= pkc) and (pvc + evc <= pkw or pkw + ekw <= pvc)))) \
+            and not apart((k_cache, v_cache), (k, v, cos, sin, slots, k_weight)):
+        return _COLD
+    return key, call
