@@ -25,7 +25,9 @@ models of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (multi-axis M-RoPE). :func:`patch`:
   (:mod:`.transformers_cache`).
 
 :func:`unpatch` removes the overrides; the model is then exactly as before (same outputs, bit for bit).
-Not thread-safe across concurrently running patched/unpatched models of the same family.
+Not thread-safe across concurrently running patched/unpatched models of the same family; where the
+modeling code carries transformers' kernel hooks, :func:`kernelize` plugs ropekit in through them
+instead, per model (see :mod:`.hub_kernels` and docs/models.md).
 """
 
 from __future__ import annotations
@@ -177,7 +179,13 @@ def _modeling_module(module: torch.nn.Module):
 
 
 def _takes_q_and_k(function) -> bool:
-    """``apply_rotary_pos_emb(q, k, cos, sin, ...)`` (not Gemma 3n's one-tensor form)."""
+    """``apply_rotary_pos_emb(q, k, cos, sin, ...)`` (not Gemma 3n's one-tensor form).
+
+    With transformers' kernel hooks on, the function is a module (``kernels`` turns the decorated
+    function into one): its ``forward`` has the function's signature.
+    """
+    if isinstance(function, torch.nn.Module):
+        function = function.forward
     try:
         names = list(inspect.signature(function).parameters)
     except (TypeError, ValueError):
@@ -340,3 +348,112 @@ def static_cache(model: torch.nn.Module, max_cache_len: int, **kwargs: Any):
     from .transformers_cache import static_cache as build
 
     return build(model, max_cache_len, **kwargs)
+
+
+_KERNELS_STATE = "_ropekit_kernels"
+
+
+def _kernels_gate() -> str:
+    """Which ``kernels`` versions this transformers marks its layers for, and which is installed."""
+    try:
+        from transformers import __version__ as tf_version
+        from transformers.utils import import_utils
+    except ImportError:
+        return "transformers is not installed"
+    low, high = getattr(import_utils, "KERNELS_MIN_VERSION", "?"), getattr(import_utils, "KERNELS_MAX_VERSION", "?")
+    try:
+        from importlib.metadata import version
+
+        found = f"kernels {version('kernels')} is installed"
+    except Exception:
+        found = "kernels is not installed"
+    return f"transformers {tf_version} marks its layers only with kernels >= {low}, < {high} installed; {found}"
+
+
+def kernel_hooks(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
+    """The modules of ``model`` carrying transformers' kernel hooks that ropekit maps.
+
+    Returns ``{"RMSNorm": [norm modules marked "RMSNorm"], "rotary_pos_emb": [attention modules
+    whose attached ``apply_rotary_pos_emb`` is marked "rotary_pos_emb"]}``; both lists are empty
+    when the modeling code carries no hooks (an older transformers, or a ``kernels`` version
+    outside the range transformers accepts: its decorators then do nothing).
+    """
+    found: dict[str, list[torch.nn.Module]] = {"RMSNorm": [], "rotary_pos_emb": []}
+    for module in model.modules():
+        if getattr(type(module), "kernel_layer_name", None) == "RMSNorm":
+            found["RMSNorm"].append(module)
+        funcs = module.__dict__.get("_kernel_funcs") or {}
+        if any(getattr(f, "kernel_layer_name", None) == "rotary_pos_emb" for f in funcs.values()):
+            found["rotary_pos_emb"].append(module)
+    return found
+
+
+def kernelize(model: torch.nn.Module, *, device: str | None = None, mode: Any = None) -> torch.nn.Module:
+    """Plug ropekit into ``model`` through transformers' own kernel hooks; returns ``model``.
+
+    Through ``kernels.kernelize`` under :func:`ropekit.integrations.hub_kernels.kernel_mapping`
+    (ropekit's mapping only, not transformers' hub defaults): the norms marked ``"RMSNorm"``
+    compute with ropekit's RMSNorm where their formula is ropekit's, and the attention modules
+    rotate q/k with :func:`ropekit.apply_rotary_qk` through the ``"rotary_pos_emb"`` hook. No
+    modeling module is patched: the norms are replaced on this model's instances, and the
+    rotation, which transformers shares between all models of a family, runs ropekit's code only
+    inside this model's attention modules (per thread), so other models of the family, kernelized
+    or not, can run at the same time in other threads. The tables stay transformers' own (its
+    rotary embedding module, cos/sin in the activation dtype); q/k norms are not fused into the
+    rotation and keys are not rotated into a cache: :func:`patch` does those.
+
+    Args:
+        model: a loaded ``transformers`` model whose modeling code carries the hooks
+            (:func:`kernel_hooks`).
+        device: the device type to map (``"cpu"``, ``"cuda"``); default: the model's parameters'.
+        mode: a ``kernels.Mode``; default ``Mode.TRAINING`` if ``model.training`` else ``Mode.INFERENCE``.
+
+    Raises:
+        ImportError: the ``kernels`` package is not installed.
+        ValueError: ``model`` carries no hook ropekit maps, is patched by :func:`patch`, or is
+            already kernelized by ropekit.
+    """
+    import kernels
+
+    from .hub_kernels import enter_attention, exit_attention, kernel_mapping
+
+    if getattr(model, _STATE, None) is not None:
+        raise ValueError("model is patched by ropekit; call unpatch(model) before kernelize(model)")
+    if getattr(model, _KERNELS_STATE, None) is not None:
+        raise ValueError("model is already kernelized by ropekit; call unkernelize(model) first")
+    hooks = kernel_hooks(model)
+    if not hooks["RMSNorm"] and not hooks["rotary_pos_emb"]:
+        raise ValueError(f"{type(model).__name__} carries none of transformers' kernel hooks (RMSNorm, "
+                         f"rotary_pos_emb): {_kernels_gate()}. Use ropekit.integrations.transformers.patch(model)")
+    if device is None:
+        device = next(model.parameters()).device.type
+    if mode is None:
+        mode = kernels.Mode.TRAINING if model.training else kernels.Mode.INFERENCE
+    with kernels.use_kernel_mapping(kernel_mapping((device,)), inherit_mapping=False):
+        kernels.kernelize(model, mode=mode, device=device, use_fallback=True)
+    handles = []
+    for attention in hooks["rotary_pos_emb"]:
+        handles.append(attention.register_forward_pre_hook(enter_attention))
+        handles.append(attention.register_forward_hook(exit_attention, always_call=True))
+    setattr(model, _KERNELS_STATE, {"norms": hooks["RMSNorm"], "handles": handles})
+    return model
+
+
+def unkernelize(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`kernelize`: the norms run their class's ``forward``, the attention modules transformers' rotation.
+
+    The family's shared rotation module keeps ropekit's ``forward``, which runs transformers'
+    function outside kernelized models.
+    """
+    from .hub_kernels import layers
+
+    state = getattr(model, _KERNELS_STATE, None)
+    if state is None:
+        raise ValueError("model is not kernelized by ropekit")
+    for handle in state["handles"]:
+        handle.remove()
+    for norm in state["norms"]:
+        if getattr(norm.__dict__.get("forward"), "__func__", None) is layers.RMSNorm.forward:
+            del norm.__dict__["forward"]
+    delattr(model, _KERNELS_STATE)
+    return model
