@@ -40,8 +40,15 @@ def load_config(path: str | None, preset: str | None, layer_type: str | None = N
         raise UserError(f"{path or 'preset ' + str(preset)}: {message}") from None
 
 
-def positive(kind: type) -> Any:
-    """An argparse type: a positive finite ``kind`` (int or float)."""
+#: The largest position, context or sequence length the verbs accept (``ropekit.validation.MAX_POSITION``,
+#: spelled out so that parsing does not import torch).
+MAX_POSITION = 1 << 40
+#: The largest rotary or head dimension (``ropekit.validation.MAX_ROTARY_DIM``).
+MAX_ROTARY_DIM = 1 << 16
+
+
+def positive(kind: type, maximum: float | None = None) -> Any:
+    """An argparse type: a positive finite ``kind`` (int or float), at most ``maximum`` if given."""
     def parse(text: str) -> Any:
         try:
             value = kind(text)
@@ -49,6 +56,8 @@ def positive(kind: type) -> Any:
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
         if not (value > 0 and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__} <= {maximum:,}, got {text!r}")
         return value
 
     parse.__name__ = f"positive {kind.__name__}"
