@@ -229,7 +229,7 @@ def check_factor(rule: str, value: Any, key: str = "factor") -> float:
     """A context-extension factor: a finite number in ``[1, MAX_FACTOR]`` (``1`` means no extension)."""
     value = check_number(rule, key, value, low=1.0)
     if value > MAX_FACTOR:
-        raise ValueError(f"{rule}: {key} must be at most {MAX_FACTOR:g} (2**20), got {value!r}")
+        raise ValueError(f"{rule}: {key} must be at most {MAX_FACTOR:,.0f} (2**20), got {value!r}")
     return value
 
 
