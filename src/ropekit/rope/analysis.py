@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .analysis_axes import axis_summary
 from ..validation import check_context
+from .analysis_axes import axis_summary
 from .frequencies import base_inv_freq
 
 #: Positions scanned exactly by the base-bound search; longer contexts are subsampled.
