@@ -20,6 +20,20 @@ import torch
 
 LAYOUTS = ("half", "interleaved")
 
+#: The largest rotary or head dimension accepted (real models use 64 to 576): a dimension is the
+#: size of every frequency vector and table row, so a typo such as ``2**33`` must fail before it
+#: allocates.
+MAX_ROTARY_DIM = 1 << 16
+
+#: The largest absolute position (a multi-axis coordinate, a context or sequence length) accepted.
+#: Angles ``m * theta_i`` are computed in float64, whose rounding error grows with ``m``: below
+#: ``2**40`` (about 1.1e12 tokens) it stays under ``2**40 * 2**-53 = 2**-13`` radians; far above it
+#: the angle is meaningless, and near 1e308 the table itself is NaN (``cos(inf)``).
+MAX_POSITION = 1 << 40
+
+#: The largest context-extension factor a scaling rule accepts (released configs use 2 to 64).
+MAX_FACTOR = float(1 << 20)
+
 
 def check_layout(layout: str, name: str = "layout") -> str:
     """Return ``layout`` if it is ``"half"`` or ``"interleaved"``, else raise ``ValueError``."""
@@ -34,6 +48,9 @@ def check_even_positive(value: int, name: str) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value <= 0 or value % 2:
         raise ValueError(f"{name} must be a positive even number, got {value}")
+    if value > MAX_ROTARY_DIM:
+        raise ValueError(f"{name} must be at most {MAX_ROTARY_DIM:,} (ropekit's limit on rotary and head "
+                         f"dimensions), got {value:,}")
     return value
 
 
@@ -84,9 +101,14 @@ def check_axis_positions(positions: torch.Tensor, n_axes: int, name: str = "posi
             f"{name} must have shape (..., n_axes={n_axes}) (one coordinate per axis, last), "
             f"got {tuple(positions.shape)}"
         )
-    if (positions.dtype.is_floating_point and positions.numel() and not torch.compiler.is_compiling()
-            and not bool(torch.isfinite(positions).all())):
-        raise ValueError(f"{name} must be finite, got NaN or inf")
+    if positions.numel() and not torch.compiler.is_compiling():
+        if positions.dtype.is_floating_point and not bool(torch.isfinite(positions).all()):
+            raise ValueError(f"{name} must be finite, got NaN or inf")
+        low, high = torch.aminmax(positions)
+        largest = max(abs(float(low)), abs(float(high)))
+        if largest > MAX_POSITION:
+            raise ValueError(f"{name} must lie within +-{MAX_POSITION:,} (2**40: float64 angles stay accurate "
+                             f"below it), got a coordinate of magnitude {largest:.6g}")
     return positions
 
 
@@ -204,8 +226,21 @@ def check_optional_number(rule: str, key: str, value: Any, **bounds: Any) -> flo
 
 
 def check_factor(rule: str, value: Any, key: str = "factor") -> float:
-    """A context-extension factor: a finite number ``>= 1`` (``1`` means no extension)."""
-    return check_number(rule, key, value, low=1.0)
+    """A context-extension factor: a finite number in ``[1, MAX_FACTOR]`` (``1`` means no extension)."""
+    value = check_number(rule, key, value, low=1.0)
+    if value > MAX_FACTOR:
+        raise ValueError(f"{rule}: {key} must be at most {MAX_FACTOR:,.0f} (2**20), got {value!r}")
+    return value
+
+
+def check_context(value: Any, name: str) -> int:
+    """A context or sequence length in tokens: an int in ``[1, MAX_POSITION]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if value > MAX_POSITION:
+        raise ValueError(f"{name} must be at most {MAX_POSITION:,} tokens (2**40: float64 angles stay accurate "
+                         f"below it), got {value:,}")
+    return value
 
 
 def check_length(rule: str, key: str, value: Any) -> int:
@@ -214,6 +249,8 @@ def check_length(rule: str, key: str, value: Any) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{rule}: {key} must be a positive int, got {value!r}")
+    if value > MAX_POSITION:
+        raise ValueError(f"{rule}: {key} must be at most {MAX_POSITION:,} tokens (2**40), got {value:,}")
     return value
 
 

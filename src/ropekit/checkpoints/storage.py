@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,29 @@ def _load_torch(path: Path) -> Shard:
     return Shard(path.name, dict(state), None)
 
 
+def check_regular_file(path: Path) -> None:
+    """Refuse ``path`` unless it is a regular file this process can open for reading.
+
+    A FIFO would block the read forever and a device (``/dev/zero``) never ends; a file without
+    read permission would fail later inside a reader whose error names no path. Raises
+    ``ValueError`` naming ``path`` and what it is.
+    """
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or first_line(exc)})") from None
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
+        raise ValueError(f"{path}: {kind}; expected a checkpoint file")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or first_line(exc)})") from None
+
+
 def _load_file(path: Path) -> Shard:
+    check_regular_file(path)
     if path.suffix == ".safetensors":
         return _load_safetensors(path)
     if path.suffix in TORCH_SUFFIXES:
@@ -203,6 +226,7 @@ def load_checkpoint(src: str | os.PathLike) -> Checkpoint:
         checked_target(found, path)
         path = found
     if path.name.endswith(".index.json"):
+        check_regular_file(path)
         return _load_sharded(path)
     return Checkpoint([_load_file(path)], None, None, [path], path.parent, whole_directory=whole_directory)
 

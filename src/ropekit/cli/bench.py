@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .common import positive, print_json
+from .common import MAX_THREADS, positive, print_json
 
 
 def add_parser(verbs: Any) -> None:
@@ -13,7 +13,8 @@ def add_parser(verbs: Any) -> None:
     bench = verbs.add_parser("bench", help="speed of every backend against a plain copy")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     bench.add_argument("--device", choices=("cpu", "cuda"), help="default: CUDA when available")
-    bench.add_argument("--threads", type=positive(int), metavar="N", help="CPU threads (default: torch's default)")
+    bench.add_argument("--threads", type=positive(int, MAX_THREADS), metavar="N",
+                       help="CPU threads (default: torch's default)")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.set_defaults(func=run)
 

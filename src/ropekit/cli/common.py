@@ -40,8 +40,15 @@ def load_config(path: str | None, preset: str | None, layer_type: str | None = N
         raise UserError(f"{path or 'preset ' + str(preset)}: {message}") from None
 
 
-def positive(kind: type) -> Any:
-    """An argparse type: a positive finite ``kind`` (int or float)."""
+#: The largest position, context or sequence length the verbs accept (``ropekit.validation.MAX_POSITION``,
+#: spelled out so that parsing does not import torch).
+MAX_POSITION = 1 << 40
+#: The largest rotary or head dimension (``ropekit.validation.MAX_ROTARY_DIM``).
+MAX_ROTARY_DIM = 1 << 16
+
+
+def positive(kind: type, maximum: float | None = None) -> Any:
+    """An argparse type: a positive finite ``kind`` (int or float), at most ``maximum`` if given."""
     def parse(text: str) -> Any:
         try:
             value = kind(text)
@@ -49,6 +56,8 @@ def positive(kind: type) -> Any:
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
         if not (value > 0 and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__} <= {maximum:,}, got {text!r}")
         return value
 
     parse.__name__ = f"positive {kind.__name__}"
@@ -84,8 +93,8 @@ def config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which rope parameters of a per-layer-type config (e.g. full_attention)")
 
 
-def at_least(minimum: int):
-    """An argparse type: an integer ``>= minimum``."""
+def at_least(minimum: int, maximum: int | None = None):
+    """An argparse type: an integer ``>= minimum`` (and ``<= maximum`` if given)."""
 
     def parse(text: str) -> int:
         try:
@@ -94,10 +103,17 @@ def at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"expected an integer <= {maximum:,}, got {text!r}")
         return value
 
     parse.__name__ = f"integer >= {minimum}"
     return parse
+
+
+#: Upper bounds of the lab's sizes: work and memory grow with them (attention with the context
+#: squared), so a typo fails at once instead of after gigabytes.
+MAX_STEPS, MAX_CONTEXT, MAX_THREADS = 10_000_000, 4096, 1024
 
 
 def lab_arguments(parser: argparse.ArgumentParser, quick: Any) -> None:
@@ -107,14 +123,14 @@ def lab_arguments(parser: argparse.ArgumentParser, quick: Any) -> None:
     """
     from ..lab.options import DEFAULT
 
-    parser.add_argument("--steps", type=at_least(1), metavar="N",
+    parser.add_argument("--steps", type=at_least(1, MAX_STEPS), metavar="N",
                         help=f"optimizer steps (default {DEFAULT.steps}; --quick {quick.steps})")
-    parser.add_argument("--context", type=at_least(2), metavar="T", help="training context in characters "
+    parser.add_argument("--context", type=at_least(2, MAX_CONTEXT), metavar="T", help="training context in characters "
                         f"(default {DEFAULT.context}; --quick {quick.context})")
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and batches (default 0)")
     parser.add_argument("--quick", action="store_true", help=f"width {quick.dim}, {quick.layers} layers, "
                         f"{quick.steps} steps: a smoke test of the pipeline")
-    parser.add_argument("--threads", type=at_least(1), metavar="N",
+    parser.add_argument("--threads", type=at_least(1, MAX_THREADS), metavar="N",
                         help="CPU threads (default 1, whatever OMP_NUM_THREADS says: a second thread "
                         "gains little on these small models and costs much when other jobs share the cores)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -6,9 +6,12 @@ import argparse
 import importlib.util
 from typing import Any
 
-from .common import number, one_thread, positive, print_json
+from .common import MAX_ROTARY_DIM, number, one_thread, positive, print_json
 from .errors import UserError
 from .outputs import declare_output_file
+
+#: The most ``(distances x pairs)`` terms one run sums: ``--max-distance`` 10,000,000 at ``--dim`` 256.
+MAX_TERMS = 10_000_001 * 128
 
 
 def add_parser(verbs: Any) -> None:
@@ -27,10 +30,15 @@ def add_parser(verbs: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """RoFormer's long-term decay bound (seed 001, eq. 37) for each distance 0..N."""
-    if args.dim <= 0 or args.dim % 2:
-        raise UserError(f"--dim must be a positive even number (the rotary dimension), got {args.dim}")
+    if args.dim <= 0 or args.dim % 2 or args.dim > MAX_ROTARY_DIM:
+        raise UserError(f"--dim must be a positive even number (the rotary dimension) <= {MAX_ROTARY_DIM:,}, got "
+                        f"{args.dim:,}")
     if not 0 <= args.max_distance <= 10_000_000:
         raise UserError(f"--max-distance must be in 0..10,000,000, got {args.max_distance:,}")
+    if (args.max_distance + 1) * (args.dim // 2) > MAX_TERMS:
+        raise UserError(f"--dim {args.dim:,} with --max-distance {args.max_distance:,} sums "
+                        f"{(args.max_distance + 1) * (args.dim // 2):,} terms; at most {MAX_TERMS:,} (e.g. "
+                        f"--max-distance {MAX_TERMS // (args.dim // 2) - 1:,} at this --dim)")
     if args.png and importlib.util.find_spec("matplotlib") is None:
         raise UserError("--png needs matplotlib: pip install 'ropekit[report]'")
     torch = one_thread()

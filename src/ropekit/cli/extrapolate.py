@@ -14,7 +14,7 @@ from ..lab.options import (
     QUICK_EXTRAPOLATE,
     SOFTMAX_ONLY,
 )
-from .common import at_least, lab_arguments
+from .common import MAX_STEPS, at_least, lab_arguments
 from .errors import UserError
 from .outputs import add_out_argument
 from .train import rope_fraction_argument
@@ -41,7 +41,7 @@ def add_parser(verbs: Any) -> argparse.ArgumentParser:
                         f"with linear attention all but {' and '.join(SOFTMAX_ONLY)})")
     rope_fraction_argument(parser)
     add_out_argument(parser, "ropekit-extrapolate")
-    parser.add_argument("--finetune-steps", type=at_least(0), metavar="N",
+    parser.add_argument("--finetune-steps", type=at_least(0, MAX_STEPS), metavar="N",
                         help="steps of the short fine-tune for Linear and YaRN at each longer length "
                         f"(default {FINETUNE_STEPS}; --quick {FINETUNE_STEPS_QUICK}; 0: none)")
     lab_arguments(parser, QUICK_EXTRAPOLATE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .common import config_arguments, load_config, number, one_thread, positive, print_json
+from .common import MAX_POSITION, config_arguments, load_config, number, one_thread, positive, print_json
 
 
 def add_parser(verbs: Any) -> None:
@@ -15,9 +15,10 @@ def add_parser(verbs: Any) -> None:
                                "scale, and per pair theta_i, wavelength, rotations in the context and regime; "
                                "for multi-axis RoPE (M-RoPE, axial) each pair's axis and the wavelengths per axis.")
     config_arguments(inspect)
-    inspect.add_argument("--context", type=positive(int), help="context window in tokens (default: from the config)")
-    inspect.add_argument("--seq-len", type=positive(int), help="length at which dynamic rules are evaluated "
-                         "(default: the context)")
+    inspect.add_argument("--context", type=positive(int, MAX_POSITION), help="context window in tokens "
+                         "(default: from the config; at most 2**40)")
+    inspect.add_argument("--seq-len", type=positive(int, MAX_POSITION), help="length at which dynamic rules are "
+                         "evaluated (default: the context)")
     inspect.add_argument("--no-bound", action="store_true", help="skip the base-bound search (Men et al. 2024)")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(func=run)

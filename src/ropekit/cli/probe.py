@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .common import at_least
+from .common import MAX_THREADS, at_least
 from .outputs import add_out_argument
 
 QUICK_TOKENS, DEFAULT_TOKENS = 256, 1024  # ropekit.lab.probe's, spelled out so that --help does not import torch
+#: The most tokens probed: every layer's statistics hold a heads x N x N attention matrix.
+MAX_TOKENS = 8192
 
 
 def add_parser(verbs: Any) -> argparse.ArgumentParser:
@@ -31,14 +33,14 @@ def add_parser(verbs: Any) -> argparse.ArgumentParser:
     text.add_argument("--text", metavar="FILE", help="a UTF-8 text file to read (default: the held-out chapters of "
                       "the KJV corpus the lab trains on)")
     text.add_argument("--prompt", metavar="TEXT", help="the text itself")
-    parser.add_argument("--tokens", type=at_least(3), metavar="N",
+    parser.add_argument("--tokens", type=at_least(3, MAX_TOKENS), metavar="N",
                         help=f"read the first N tokens (default {DEFAULT_TOKENS}; --quick {QUICK_TOKENS}; at most "
                         "the model's context)")
     add_out_argument(parser, "ropekit-probe")
     parser.add_argument("--json", action="store_true", help="print probe.json to stdout instead of the page's path")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_TOKENS} tokens and no p-RoPE loss curve: "
                         "under a minute on two cores once the example is cached")
-    parser.add_argument("--threads", type=at_least(1), metavar="N",
+    parser.add_argument("--threads", type=at_least(1, MAX_THREADS), metavar="N",
                         help="CPU threads (default 1, whatever OMP_NUM_THREADS says: a second thread costs much "
                         "when other jobs share the cores)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -1,9 +1,12 @@
 """The models ``ropekit probe`` runs: a transformers directory, a GGUF file, or the SmolLM2 example.
 
 Every source is checked before its weights are loaded: the directory or file exists, transformers
-reads its config, and the model family is one :func:`ropekit.integrations.transformers.patch`
-supports (checked on a copy built on the ``meta`` device: no memory, no time). What transformers
-refuses becomes one ``ValueError`` naming the option, so the command line prints one line.
+reads its config, ropekit reads its RoPE, the config agrees with the weights' names and shapes
+(read from the file headers, :mod:`ropekit.lab.probe_inputs`: the layer count before anything is
+built), and the model family is one :func:`ropekit.integrations.transformers.patch` supports
+(checked on a copy built on the ``meta`` device: no memory, no time). What transformers refuses,
+including a crafted config it trips over (a zero head count, a negative size), becomes one
+``ValueError`` naming the option, so the command line prints one line.
 Remote code is never run: every transformers call passes ``trust_remote_code=False``, and a
 folder that needs its own code is refused before loading (:mod:`ropekit.lab.remote_code`).
 """
@@ -17,10 +20,21 @@ from typing import Any
 
 import torch
 
+from ..config import RopeConfig
 from ..integrations.transformers import patchable_modules
+from .probe_inputs import check_gguf_layer_count, check_layer_count, check_shapes, directory_shapes, gguf_summary
 from .remote_code import NO_REMOTE_CODE, refuse_remote_code
 
-_TRANSFORMERS_ERRORS = (ValueError, KeyError, OSError, TypeError, ImportError, AttributeError)
+# what transformers raises on a config or file it cannot use; a crafted config.json reaches the
+# arithmetic (ZeroDivisionError, OverflowError) and torch (RuntimeError) too
+_TRANSFORMERS_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, LookupError, OSError, TypeError, ImportError, AttributeError, ArithmeticError, RuntimeError)
+try:  # transformers 5 configs are strict dataclasses: a field of the wrong type raises huggingface_hub's error
+    from huggingface_hub.errors import StrictDataclassError
+
+    _TRANSFORMERS_ERRORS += (StrictDataclassError,)
+except ImportError:  # older huggingface_hub: no strict configs
+    pass
 
 
 @dataclass
@@ -41,13 +55,15 @@ class LoadedModel:
     notes: list[str] = field(default_factory=list)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """``exc``'s message on one line (its lines joined), at most ``limit`` characters."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    text = text or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _check_family(config: Any, option: str, shown: str) -> None:
-    """Build the model on the ``meta`` device and check that ``patch`` finds its rotary and attention modules."""
+def _check_family(config: Any, option: str, shown: str) -> Any:
+    """Build the model on the ``meta`` device, check that ``patch`` finds its modules; return that model."""
     import transformers
 
     try:
@@ -61,17 +77,32 @@ def _check_family(config: Any, option: str, shown: str) -> None:
     except ValueError as exc:
         raise ValueError(f"{option} {shown!r}: model_type {config.model_type!r} is not a family ropekit patches: "
                          f"{exc}") from None
+    return skeleton
 
 
-def _load(location: Path, option: str, shown: str, **kwargs: Any) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` from ``location`` (a directory; ``gguf_file=`` in ``kwargs`` for a GGUF)."""
+def _load(location: Path, option: str, shown: str, shapes: dict[str, tuple[int, ...]] | None = None,
+          **kwargs: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from ``location`` (a directory; ``gguf_file=`` in ``kwargs`` for a GGUF).
+
+    ``shapes``: ``{tensor name: shape}`` of the weights, in transformers' names (from the safetensors
+    headers), compared with the config before anything is built; ``None`` to skip that check.
+    """
     import transformers
 
     try:
         config = transformers.AutoConfig.from_pretrained(location, **kwargs, **NO_REMOTE_CODE)
     except _TRANSFORMERS_ERRORS as exc:
         raise ValueError(f"{option} {shown!r}: transformers cannot read its config ({_one_line(exc)})") from None
-    _check_family(config, option, shown)
+    try:
+        RopeConfig.from_hf(config)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{option} {shown!r}: ropekit cannot read its RoPE: {exc}") from None
+    if shapes is not None:
+        check_layer_count(config, shapes, option, shown)
+    skeleton = _check_family(config, option, shown)
+    if shapes is not None:
+        check_shapes(skeleton, shapes, option, shown)
+    del skeleton
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(location, **kwargs, **NO_REMOTE_CODE)
     except _TRANSFORMERS_ERRORS as exc:
@@ -101,7 +132,7 @@ def load_model_dir(path: str | Path, option: str = "--model") -> LoadedModel:
     if not (directory / "config.json").is_file():
         raise ValueError(f"{option} {str(path)!r}: no config.json in it: not a transformers model directory")
     refuse_remote_code(directory, option, str(path))
-    model, tokenizer = _load(directory, option, str(path))
+    model, tokenizer = _load(directory, option, str(path), directory_shapes(directory, option, str(path)))
     return LoadedModel(model, tokenizer, "model", str(directory), seconds=time.perf_counter() - start)
 
 
@@ -126,6 +157,8 @@ def load_gguf(path: str | Path, option: str = "--gguf") -> LoadedModel:
         if handle.read(4) != b"GGUF":
             raise ValueError(f"{option} {str(path)!r}: not a GGUF file (it does not start with b'GGUF')")
     _require_gguf_packages(option)
+    metadata, shapes = gguf_summary(file, option, str(path))
+    check_gguf_layer_count(metadata, shapes, option, str(path))
     model, tokenizer = _load(file.parent, option, str(path), gguf_file=file.name)
     try:
         rows = gguf_qk_rows(file)

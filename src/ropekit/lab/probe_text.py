@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import codecs
 import hashlib
-from pathlib import Path
+import os
+import stat
 from typing import Any
 
 import torch
+
+#: The most bytes of ``--text FILE`` read: far more than the probe's tokens need (it keeps 32
+#: characters per token at most).
+MAX_TEXT_BYTES = 16 * 1024 * 1024
 
 
 def default_text() -> tuple[str, str]:
@@ -28,14 +34,29 @@ def encode(tokenizer: Any, text: str, limit: int, option: str) -> torch.Tensor:
     return ids.to(torch.int64)
 
 
-def read_text(path: str) -> str:
-    """The UTF-8 text of ``--text FILE``; ``ValueError`` naming the option for a missing or binary file."""
+def read_text(path: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
+    """The UTF-8 text of ``--text FILE``: at most its first ``max_bytes`` bytes (a character cut there is dropped).
+
+    The probe reads its first few thousand tokens only, so a longer file is read in part, never
+    whole. ``ValueError`` naming the option for a missing, unreadable, binary or non-regular file
+    (a FIFO would block forever, ``/dev/zero`` never ends).
+    """
     try:
-        return Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise ValueError(f"--text {path!r}: not a regular file (a device, FIFO or socket); expected a text "
+                                 "file")
+            data = handle.read(max_bytes + 1)
     except FileNotFoundError:
         raise ValueError(f"--text {path!r}: no such file") from None
     except IsADirectoryError:
         raise ValueError(f"--text {path!r}: a directory, not a text file") from None
+    except OSError as exc:
+        raise ValueError(f"--text {path!r}: cannot read it ({exc.strerror or exc})") from None
+    cut = len(data) > max_bytes
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        return decoder.decode(data[:max_bytes], final=not cut)  # a cut inside a character leaves it undecoded
     except UnicodeDecodeError as exc:
         raise ValueError(f"--text {path!r}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..validation import check_context
 from .analysis_axes import axis_summary
 from .frequencies import base_inv_freq
 
@@ -31,6 +32,16 @@ from .frequencies import base_inv_freq
 EXACT_POSITIONS = 1 << 20
 #: Rows of ``(positions x pairs)`` evaluated at once (bounds memory at ~32 MB of float64).
 _CHUNK = 1 << 15
+#: Entries of ``(positions x pairs)`` evaluated at once: fewer rows for more pairs (a wide head).
+_CHUNK_ENTRIES = _CHUNK * 128
+#: Pairs up to which the base-bound search scans :data:`EXACT_POSITIONS` positions; wider heads scan
+#: proportionally fewer, so that the search costs the same for any rotary dimension.
+_EXACT_PAIRS = 256
+
+
+def _chunk_rows(pairs: int) -> int:
+    """Rows per chunk for ``pairs`` columns: at most :data:`_CHUNK`, at most :data:`_CHUNK_ENTRIES` entries."""
+    return max(1, min(_CHUNK, _CHUNK_ENTRIES // max(1, pairs)))
 
 
 def wavelengths(inv_freq: torch.Tensor) -> torch.Tensor:
@@ -58,10 +69,11 @@ def decay_bound(inv_freq: torch.Tensor, distances: torch.Tensor) -> torch.Tensor
     theta = inv_freq.to(torch.float64).reshape(-1)
     flat = distances.to(torch.float64).reshape(-1)
     out = torch.empty_like(flat)
-    for start in range(0, flat.numel(), _CHUNK):
-        angles = torch.outer(flat[start : start + _CHUNK], theta)
+    rows = _chunk_rows(theta.numel())
+    for start in range(0, flat.numel(), rows):
+        angles = torch.outer(flat[start : start + rows], theta)
         partial = torch.polar(torch.ones_like(angles), angles).cumsum(dim=-1)  # S_1 .. S_n
-        out[start : start + _CHUNK] = partial.abs().mean(dim=-1)
+        out[start : start + rows] = partial.abs().mean(dim=-1)
     return out.reshape(distances.shape)
 
 
@@ -70,8 +82,9 @@ def similarity_margin(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.
     theta = inv_freq.to(torch.float64).reshape(-1)
     flat = positions.to(torch.float64).reshape(-1)
     out = torch.empty_like(flat)
-    for start in range(0, flat.numel(), _CHUNK):
-        out[start : start + _CHUNK] = torch.cos(torch.outer(flat[start : start + _CHUNK], theta)).sum(-1)
+    rows = _chunk_rows(theta.numel())
+    for start in range(0, flat.numel(), rows):
+        out[start : start + rows] = torch.cos(torch.outer(flat[start : start + rows], theta)).sum(-1)
     return out.reshape(positions.shape)
 
 
@@ -96,7 +109,8 @@ def first_negative_position(inv_freq: torch.Tensor, positions: torch.Tensor) -> 
     Evaluated in growing chunks so that a base that fails early costs little.
     """
     theta = inv_freq.to(torch.float64).reshape(-1)
-    start, chunk = 0, 512
+    start, rows = 0, _chunk_rows(theta.numel())
+    chunk = min(512, rows)
     while start < positions.numel():
         block = positions[start : start + chunk]
         margin = torch.cos(torch.outer(block.to(torch.float64), theta)).sum(-1)
@@ -104,7 +118,7 @@ def first_negative_position(inv_freq: torch.Tensor, positions: torch.Tensor) -> 
         if negative.numel():
             return int(block[int(negative[0])])
         start += chunk
-        chunk = min(2 * chunk, _CHUNK)
+        chunk = min(2 * chunk, rows)
     return None
 
 
@@ -116,8 +130,8 @@ def base_lower_bound(
     The paper defines the bound through ``B_{m,theta} = sum_{i=0}^{d/2-1} cos(m * base^(-2i/d)) >= 0``
     for all ``m <= L`` and solves it numerically. So do we, with these approximations:
 
-    1. ``m`` runs over the integers ``0..L`` (exact up to :data:`EXACT_POSITIONS`; longer contexts
-       are subsampled by :func:`bound_positions`).
+    1. ``m`` runs over the integers ``0..L`` (exact up to :data:`EXACT_POSITIONS`, fewer for more
+       than 256 pairs; longer contexts are subsampled by :func:`bound_positions`).
     2. The admissible bases are not an interval: just below the bound they form a set of small
        islands. We scan the log grid ``base = 10 ** (k / per_decade)`` upward from 2, take the
        first grid base that satisfies the property, and bisect (in ``log base``, to 0.2%)
@@ -135,7 +149,8 @@ def base_lower_bound(
         dict: ``base`` (float, ``None`` if not found below ``max_base``), ``context``,
         ``rotary_dim``, ``exact_positions`` (bool), ``method`` (one line).
     """
-    positions, exact = bound_positions(context)
+    pairs = rotary_dim // 2
+    positions, exact = bound_positions(context, EXACT_POSITIONS * min(_EXACT_PAIRS, pairs) // max(1, pairs))
 
     coarse = positions[::16]
 
@@ -274,9 +289,8 @@ def describe(config: Any, *, context: int | None = None, seq_len: int | None = N
     source = "given"
     if context is None:
         context, source = default_context(config)
-    if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
-        raise ValueError(f"context must be a positive int, got {context!r}")
-    seq_len = context if seq_len is None else seq_len
+    check_context(context, "context")
+    seq_len = context if seq_len is None else check_context(seq_len, "seq_len")
     inv_freq, scale = config.inv_frequencies(seq_len)
     theta = base_inv_freq(config.rotary_dim, config.base)
     axes = getattr(config, "axes", None)

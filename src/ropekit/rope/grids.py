@@ -24,6 +24,9 @@ from ..validation import check_positive_float
 
 GRID_KINDS = ("index", "pixel", "centered")
 RESIZE_MODES = ("interpolate", "extrapolate")
+#: The most patches one grid may have (an hour of video in Qwen2.5-VL is about 2 million): the
+#: position tensors are ``patches x axes`` int64 or float64, so a typo must fail before it allocates.
+MAX_GRID_PATCHES = 1 << 24
 
 
 def _shape(shape: Any, name: str = "shape") -> tuple[int, ...]:
@@ -32,6 +35,9 @@ def _shape(shape: Any, name: str = "shape") -> tuple[int, ...]:
     for i, s in enumerate(shape):
         if isinstance(s, bool) or not isinstance(s, int) or s <= 0:
             raise ValueError(f"{name}[{i}] must be a positive int, got {s!r} (in {tuple(shape)})")
+    if math.prod(shape) > MAX_GRID_PATCHES:
+        raise ValueError(f"{name} {tuple(shape)} has {math.prod(shape):,} patches; at most {MAX_GRID_PATCHES:,} "
+                         "(2**24) per grid")
     return tuple(shape)
 
 
@@ -93,8 +99,9 @@ def patch_grid(
         raise ValueError(f"kind must be one of {GRID_KINDS}, got {kind!r}")
     if indexing not in ("ij", "xy") or (indexing == "xy" and len(dims) < 2):
         raise ValueError(f"indexing must be 'ij' or 'xy' ('xy' needs two axes or more), got {indexing!r}")
-    if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) or prefix_tokens < 0:
-        raise ValueError(f"prefix_tokens must be an int >= 0, got {prefix_tokens!r}")
+    if (isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) or not
+            0 <= prefix_tokens <= MAX_GRID_PATCHES):
+        raise ValueError(f"prefix_tokens must be an int in [0, {MAX_GRID_PATCHES:,}], got {prefix_tokens!r}")
     offsets = _per_axis(offset, len(dims), "offset", positive=False)
     steps = _per_axis(step, len(dims), "step", positive=True)
     scales = _resize_scales(dims, kind, trained_shape, resize)
@@ -147,6 +154,9 @@ def _grids(grid_thw: Any, name: str = "grid_thw") -> list[tuple[int, int, int]]:
     for i, row in enumerate(rows):
         if len(row) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in row):
             raise ValueError(f"{name}[{i}] must be three positive ints (t, h, w), got {row!r}")
+        if math.prod(row) > MAX_GRID_PATCHES:
+            raise ValueError(f"{name}[{i}] = {tuple(row)} has {math.prod(row):,} patches; at most "
+                             f"{MAX_GRID_PATCHES:,} (2**24) per grid")
         out.append(tuple(row))
     return out
 

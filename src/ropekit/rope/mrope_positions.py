@@ -123,11 +123,11 @@ def mrope_position_ids(
                 raise ValueError(
                     f"row {b} has more {name} runs than {name}_grid_thw has grids ({used[kind]})") from None
             used[kind] += 1
-            block = vision_block_positions(grid, spatial_merge_size=m, time_step=step, start=cur)
-            if block.shape[0] != length:
+            tokens = grid[0] * (grid[1] // m) * (grid[2] // m)  # checked before the block is built
+            if tokens != length:
                 raise ValueError(f"row {b}: a run of {length} {name} tokens does not match its grid {grid} "
-                                 f"({block.shape[0]} tokens at spatial_merge_size={m})")
-            blocks.append(block)
+                                 f"({tokens} tokens at spatial_merge_size={m})")
+            blocks.append(vision_block_positions(grid, spatial_merge_size=m, time_step=step, start=cur))
             cur += max(grid[1], grid[2]) // m
         row = torch.cat(blocks)
         positions[b, keep] = row
