@@ -24,7 +24,7 @@ from typing import Any
 #: The largest safetensors header read (the safetensors library refuses larger ones too).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
-_HF_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_HF_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")  # model.layers.N, transformer.h.N, ...
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -128,7 +128,7 @@ def _check_count(claimed: Any, indices: set[int], key: str, option: str, shown: 
 
 
 def check_layer_count(config: Any, shapes: dict[str, tuple[int, ...]], option: str, shown: str) -> None:
-    """The config's ``num_hidden_layers`` equals the number of ``layers.{i}.`` found in the weights."""
+    """The config's ``num_hidden_layers`` equals the number of ``layers.{i}.`` (or ``h.{i}.``, ``blocks.{i}.``) found in the weights."""
     _check_count(getattr(config, "num_hidden_layers", None), _layer_indices(shapes, _HF_LAYER),
                  "num_hidden_layers", option, shown)
 

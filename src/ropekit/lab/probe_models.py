@@ -93,6 +93,9 @@ def _load(location: Path, option: str, shown: str, shapes: dict[str, tuple[int, 
         config = transformers.AutoConfig.from_pretrained(location, **kwargs, **NO_REMOTE_CODE)
     except _TRANSFORMERS_ERRORS as exc:
         raise ValueError(f"{option} {shown!r}: transformers cannot read its config ({_one_line(exc)})") from None
+    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:  # before its RoPE: the clearer message
+        raise ValueError(f"{option} {shown!r}: transformers has no causal LM for model_type "
+                         f"{getattr(config, 'model_type', None)!r}")
     try:
         RopeConfig.from_hf(config)
     except (ValueError, TypeError) as exc:
