@@ -42,10 +42,16 @@ def read_text(path: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
     (a FIFO would block forever, ``/dev/zero`` never ends).
     """
     try:
-        with open(path, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+        # O_NONBLOCK: opening a FIFO no one writes would block; its mode is checked on the open file
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with open(descriptor, "rb") as handle:
+            mode = os.fstat(descriptor).st_mode
+            if stat.S_ISDIR(mode):
+                raise ValueError(f"--text {path!r}: a directory, not a text file")
+            if not stat.S_ISREG(mode):
                 raise ValueError(f"--text {path!r}: not a regular file (a device, FIFO or socket); expected a text "
                                  "file")
+            os.set_blocking(descriptor, True)
             data = handle.read(max_bytes + 1)
     except FileNotFoundError:
         raise ValueError(f"--text {path!r}: no such file") from None
