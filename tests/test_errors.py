@@ -185,9 +185,9 @@ def test_inv_freq_shape_and_type():
 def test_unknown_layout():
     cos, sin = tables()
     with pytest.raises(ValueError, match="layout"):
-        apply_rotary(torch.randn(4, 8), cos, sin, layout="neox")
+        apply_rotary(torch.randn(4, 8), cos, sin, layout="spiral")
     with pytest.raises(ValueError, match="layout"):
-        RotaryEmbedding(8, layout="meta")
+        RotaryEmbedding(8, layout="spiral")
     with pytest.raises(ValueError, match="layout"):
         rotation_matrix(0, base_inv_freq(4), layout="gptj")
     with pytest.raises(ValueError, match="src"):

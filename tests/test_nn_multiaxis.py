@@ -66,7 +66,7 @@ def test_module_construction_errors():
     with pytest.raises(ValueError, match=r"head_dim \(64\) is smaller than the plan's rotary_dim \(128\)"):
         MultiAxisRotaryEmbedding(plan, head_dim=64)
     with pytest.raises(ValueError, match="layout"):
-        MultiAxisRotaryEmbedding(plan, layout="complex")
+        MultiAxisRotaryEmbedding(plan, layout="spiral")
     with pytest.raises(ValueError, match="head_dim divisible by 4"):
         MixedRotaryEmbedding(6, 2)
     with pytest.raises(ValueError, match="num_heads must be a positive int"):
