@@ -189,7 +189,7 @@ def test_unknown_layout():
     with pytest.raises(ValueError, match="layout"):
         RotaryEmbedding(8, layout="spiral")
     with pytest.raises(ValueError, match="layout"):
-        rotation_matrix(0, base_inv_freq(4), layout="gptj")
+        rotation_matrix(0, base_inv_freq(4), layout="spiral")
     with pytest.raises(ValueError, match="src"):
         permute_qk_weight(torch.randn(8, 2), 1, src="complex", dst="half")
     with pytest.raises(ValueError, match="dst"):
