@@ -359,6 +359,6 @@ def test_repeated_call_takes_the_fast_path_and_still_checks_new_signatures(monke
     with pytest.raises(ValueError, match="do not broadcast"):  # another signature: checked
         apply_rotary(torch.randn(2, 4, 8), cos, sin)
     with pytest.raises(ValueError, match="layout"):
-        apply_rotary(x, cos, sin, layout="neox")
+        apply_rotary(x, cos, sin, layout="spiral")
     x.requires_grad_(True)  # a gradient to record: the autograd path, not the fast one
     assert apply_rotary(x, cos, sin).grad_fn is not None

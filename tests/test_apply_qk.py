@@ -190,7 +190,7 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="distinct q and k"):
         apply_rotary_qk(q, q, cos, sin, inplace=True)
     with pytest.raises(ValueError, match="layout"):
-        apply_rotary_qk(q, k, cos, sin, layout="rotate_half")
+        apply_rotary_qk(q, k, cos, sin, layout="spiral")
     with pytest.raises(TypeError, match="inplace must be a bool"):
         apply_rotary_qk(q, k, cos, sin, inplace=1)
     with pytest.raises(ValueError, match="do not broadcast"):

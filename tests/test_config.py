@@ -45,7 +45,7 @@ def test_scaling_dict_is_converted():
         ({"head_dim": 64, "rotary_dim": 96}, ValueError, ["rotary_dim", "96", "64"]),
         ({"head_dim": 64, "rotary_dim": 31}, ValueError, ["rotary_dim", "31"]),
         ({"head_dim": 64, "base": -1.0}, ValueError, ["base", "-1.0"]),
-        ({"head_dim": 64, "layout": "neox"}, ValueError, ["layout", "'neox'"]),
+        ({"head_dim": 64, "layout": "spiral"}, ValueError, ["layout", "'spiral'"]),
         ({"head_dim": 64, "max_positions": 0}, ValueError, ["max_positions", "0"]),
         ({"head_dim": 64, "scaling": "yarn"}, TypeError, ["scaling", "str"]),
         ({"head_dim": 64, "scaling": LongRoPE([1.0] * 4, [1.0] * 4, 64, factor=2.0)}, ValueError,
@@ -182,7 +182,7 @@ def test_layout_defaults_and_overrides():
     assert RopeConfig.from_hf({**LLAMA2, "model_type": "deepseek_v3", "rope_interleave": False}).layout == "half"
     assert RopeConfig.from_hf({**LLAMA2, "rope_interleave": True}).layout == "interleaved"
     with pytest.raises(ValueError, match="layout"):
-        RopeConfig.from_hf(LLAMA2, layout="neox")
+        RopeConfig.from_hf(LLAMA2, layout="spiral")
 
 
 def test_fixed_seq_len_freezes_length_dependent_rules_only():

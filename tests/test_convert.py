@@ -220,8 +220,8 @@ def test_error_missing_k_and_unknown_layout(tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj\.weight.*no matching k"):
         run(src, tmp_path / "o.safetensors", *H2I, "--heads", HEADS, "--kv-heads", KV)
     args = parse(src, tmp_path / "o.safetensors", "--to", "interleaved", "--heads", HEADS)
-    args.dst_layout = "neox"
-    with pytest.raises(ValueError, match="neox"):
+    args.dst_layout = "spiral"
+    with pytest.raises(ValueError, match="spiral"):
         cli_convert.run(args)
     with pytest.raises(ValueError, match="SRC does not exist"):
         run(tmp_path / "nope.safetensors", tmp_path / "o.safetensors", "--to", "half", "--heads", HEADS)

@@ -185,11 +185,11 @@ def test_inv_freq_shape_and_type():
 def test_unknown_layout():
     cos, sin = tables()
     with pytest.raises(ValueError, match="layout"):
-        apply_rotary(torch.randn(4, 8), cos, sin, layout="neox")
+        apply_rotary(torch.randn(4, 8), cos, sin, layout="spiral")
     with pytest.raises(ValueError, match="layout"):
-        RotaryEmbedding(8, layout="meta")
+        RotaryEmbedding(8, layout="spiral")
     with pytest.raises(ValueError, match="layout"):
-        rotation_matrix(0, base_inv_freq(4), layout="gptj")
+        rotation_matrix(0, base_inv_freq(4), layout="spiral")
     with pytest.raises(ValueError, match="src"):
         permute_qk_weight(torch.randn(8, 2), 1, src="complex", dst="half")
     with pytest.raises(ValueError, match="dst"):

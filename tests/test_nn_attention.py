@@ -337,7 +337,7 @@ def test_backward_reaches_all_projections():
         ({"embed_dim": 16, "num_heads": 0}, ValueError, "num_heads"),
         ({"embed_dim": 16.0, "num_heads": 4}, TypeError, "embed_dim"),
         ({"embed_dim": 16, "num_heads": 4, "rotary_dim": 6}, ValueError, "rotary_dim"),
-        ({"embed_dim": 16, "num_heads": 4, "layout": "neox"}, ValueError, "layout"),
+        ({"embed_dim": 16, "num_heads": 4, "layout": "spiral"}, ValueError, "layout"),
         ({"embed_dim": 16, "num_heads": 4, "dropout": 1.0}, ValueError, "dropout"),
         ({"embed_dim": 16, "num_heads": 4, "causal": 1}, TypeError, "causal"),
         ({"embed_dim": 16, "num_heads": 4, "rope": RotaryEmbedding(8)}, ValueError, "rope"),

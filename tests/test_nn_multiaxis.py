@@ -66,12 +66,12 @@ def test_module_construction_errors():
     with pytest.raises(ValueError, match=r"head_dim \(64\) is smaller than the plan's rotary_dim \(128\)"):
         MultiAxisRotaryEmbedding(plan, head_dim=64)
     with pytest.raises(ValueError, match="layout"):
-        MultiAxisRotaryEmbedding(plan, layout="complex")
+        MultiAxisRotaryEmbedding(plan, layout="spiral")
     with pytest.raises(ValueError, match="head_dim divisible by 4"):
         MixedRotaryEmbedding(6, 2)
     with pytest.raises(ValueError, match="num_heads must be a positive int"):
         MixedRotaryEmbedding(8, 0)
-    with pytest.raises(ValueError, match="seq_dim must be -2"):
+    with pytest.raises(ValueError, match=r"has 4 heads, this module was built for num_heads=1"):
         MixedRotaryEmbedding(8, 1)(torch.randn(1, 1, 4, 8), None, patch_grid((2, 2)), seq_dim=0)
     qwen = {"model_type": "qwen2_vl", "hidden_size": 1024, "num_attention_heads": 8, "max_position_embeddings": 4096,
             "rope_scaling": {"type": "dynamic", "factor": 2.0, "mrope_section": [16, 24, 24]}}

@@ -22,7 +22,7 @@ from .ops.dispatch import get as get_backend
 from .ops.eager import rotate_differentiable
 from .ops.memory import check_not_shared
 from .ops.positions import check_shapes
-from .validation import check_float_tensor, check_layout
+from .validation import check_float_tensor, check_layout, full_width_message, resolve_seq_dim
 
 _EXACT_OVERLAP_MAX = 1 << 22  # elements up to which an unusual layout is checked element by element
 
@@ -63,7 +63,6 @@ def _check_inplace(x: Tensor, name: str) -> None:
 
 
 def _check_options(layout: str, inplace: bool) -> None:
-    check_layout(layout)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
 
@@ -83,11 +82,10 @@ def _check_tables(x: Tensor, cos: Tensor, sin: Tensor) -> None:
             f"cos has {ndim} dimensions, more than x ({x_ndim}): tables must broadcast against x; "
             f"got cos {tuple(table_shape)} and x {tuple(x_shape)}"
         )
-    if 2 * table_shape[-1] > x_shape[-1]:
-        raise ValueError(
-            f"x has {x_shape[-1]} channels in its last dimension, fewer than rotary_dim = 2 * cos.shape[-1] = "
-            f"{2 * table_shape[-1]}"
-        )
+    too_wide = full_width_message(table_shape[-1], x_shape[-1])
+    if too_wide is not None:
+        raise ValueError(f"x has {x_shape[-1]} channels in its last dimension, fewer than rotary_dim = 2 * "
+                         f"cos.shape[-1] = {2 * table_shape[-1]}: {too_wide}")
     lead = x_ndim - ndim
     for axis in range(ndim - 1):
         t, n = table_shape[axis], x_shape[lead + axis]
@@ -130,6 +128,7 @@ def apply_rotary_qk(
     Returns:
         ``(q_rotated, k_rotated)`` with the shapes and dtypes of q and k.
     """
+    layout = check_layout(layout)
     key, run = prepared_keys.apply_rotary_qk(q, k, cos, sin, layout, inplace, backend)
     if run is not None:
         return run(q, k, cos, sin)
@@ -185,9 +184,12 @@ def apply_rotary(
             ``x.shape[:-1] + (rotary_dim // 2,)`` (from :func:`ropekit.cos_sin`), e.g.
             ``(seq, rotary_dim // 2)`` against ``(batch, heads, seq, head_dim)``.
             ``rotary_dim = 2 * cos.shape[-1]`` must not exceed ``head_dim``; the
-            channels past it are left untouched (partial rotary).
-        layout: ``"half"`` pairs channels ``(i, i + rotary_dim/2)`` (GPT-NeoX, HF);
-            ``"interleaved"`` pairs ``(2i, 2i+1)`` (RoFormer, Meta, GPT-J).
+            channels past it are left untouched (partial rotary). transformers' full-width
+            tables (``rotary_dim`` wide) are refused with a ``ValueError`` naming the slice to
+            pass (``cos[..., :rotary_dim // 2]``) where their width exceeds ``head_dim // 2``.
+        layout: ``"half"`` pairs channels ``(i, i + rotary_dim/2)`` (GPT-NeoX, HF; aliases
+            ``"neox"``, ``"gpt-neox"``, ``"rotate_half"``); ``"interleaved"`` pairs ``(2i, 2i+1)``
+            (RoFormer, Meta, GPT-J; aliases ``"gptj"``, ``"gpt-j"``, ``"meta"``, ``"complex"``).
         inplace: rotate ``x`` itself and return it; allocates nothing of ``x``'s size.
         backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
 
@@ -199,6 +201,7 @@ def apply_rotary(
     activations). When ``cos``/``sin`` require grad (learned frequencies) a composite
     path is used that also differentiates the tables.
     """
+    layout = check_layout(layout)
     key, run = prepared_keys.apply_rotary(x, cos, sin, layout, inplace, backend)
     if run is not None:
         return run(x, cos, sin)
@@ -256,7 +259,8 @@ def rotate(
     offsets: int | Tensor = 0,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
-    seq_dim: int,
+    tensor_format: str | None = None,
+    seq_dim: int | None = None,
     layout: str = "half",
     inplace: bool = False,
     backend: str = "auto",
@@ -270,17 +274,22 @@ def rotate(
     Per rotary pair :math:`y_1 = x_1 c_p - x_2 s_p,\; y_2 = x_2 c_p + x_1 s_p`.
 
     Args:
-        x: ``(batch, seq, heads, head_dim)`` (``seq_dim=1``), ``(batch, heads, seq, head_dim)``
-            (``seq_dim=2``), packed ``(tokens, heads, head_dim)`` (``seq_dim=0``), or without
-            the batch or head axis; any strides and float dtype.
+        x: ``(batch, heads, seq, head_dim)`` (``tensor_format="bhsd"``), ``(batch, seq, heads,
+            head_dim)`` (``"bshd"``), ``(seq, batch, heads, head_dim)`` (``"sbhd"``), packed
+            ``(tokens, heads, head_dim)`` (``"thd"``), or, with ``seq_dim``, without the batch or
+            head axis; any strides and float dtype.
         cos_table, sin_table: ``(max_positions, rotary_dim // 2)`` (float32 from
             :func:`ropekit.cos_sin`); channels past ``rotary_dim`` are left as they are.
         positions: integer ``(seq,)`` or ``(batch, seq)``; with ``cu_seqlens``, ``(tokens,)``.
         offsets: int, or integer ``(batch,)`` tensor (a KV cache's lengths; not with ``positions``).
         cu_seqlens: integer ``(batch + 1,)`` boundaries of the sequences packed in x (``seq_dim=0``).
         max_seqlen: longest packed sequence (computed when omitted).
-        seq_dim: the sequence (or packed token) axis.
-        layout: ``"half"`` or ``"interleaved"`` (flash-attention's ``interleaved=True``).
+        tensor_format: the order of x's axes: ``"bhsd"``, ``"bshd"``, ``"sbhd"`` or ``"thd"``
+            (TransformerEngine's names); this or ``seq_dim`` is required.
+        seq_dim: the sequence (or packed token) axis, the low-level spelling of ``tensor_format``
+            (``2``, ``1``, ``0``, ``0``); both given must agree.
+        layout: ``"half"`` or ``"interleaved"`` (flash-attention's ``interleaved=True``), or an
+            alias (``"neox"``, ``"gptj"``, ...: :data:`ropekit.validation.LAYOUT_ALIASES`).
         inplace: rotate x itself and return it.
         backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
 
@@ -290,6 +299,8 @@ def rotate(
     Raises:
         ValueError: bad shapes, or positions outside the tables (checked before any kernel runs).
     """
+    layout = check_layout(layout)
+    seq_dim = resolve_seq_dim(getattr(x, "ndim", 0), tensor_format, seq_dim, name="x")
     where = check_shapes(x, None, cos_table, sin_table, positions, offsets, cu_seqlens, max_seqlen, seq_dim, layout)
     _by_position_checks(x, None, cos_table, sin_table, inplace,
                         {"positions": positions, "offsets": offsets, "cu_seqlens": cu_seqlens})
@@ -308,7 +319,8 @@ def rotate_qk(
     offsets: int | Tensor = 0,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
-    seq_dim: int,
+    tensor_format: str | None = None,
+    seq_dim: int | None = None,
     head_size: int | None = None,
     layout: str = "half",
     inplace: bool = False,
@@ -325,18 +337,22 @@ def rotate_qk(
     ``(tokens, heads, head_dim)``.
 
     Args:
-        q, k: ``(batch, seq, heads, head_dim)`` (``seq_dim=1``), ``(batch, heads, seq,
-            head_dim)`` (``seq_dim=2``), packed ``(tokens, heads, head_dim)`` (``seq_dim=0``);
-            any strides; ``k`` may have another head count (GQA/MQA). With ``head_size``,
-            vLLM's flat ``(..., heads * head_size)`` q and k (e.g. ``(tokens, 32 * 128)``).
+        q, k: ``(batch, heads, seq, head_dim)`` (``tensor_format="bhsd"``), ``(batch, seq, heads,
+            head_dim)`` (``"bshd"``), ``(seq, batch, heads, head_dim)`` (``"sbhd"``), packed
+            ``(tokens, heads, head_dim)`` (``"thd"``); any strides; ``k`` may have another head
+            count (GQA/MQA). With ``head_size``, vLLM's flat ``(..., heads * head_size)`` q and k
+            (e.g. ``(tokens, 32 * 128)``, ``tensor_format="thd"`` naming the unflattened order).
         cos_table, sin_table: float32 ``(max_positions, rotary_dim // 2)``.
         positions: integer ``(seq,)`` or ``(batch, seq)``; with ``cu_seqlens``, ``(tokens,)``.
         offsets: int, or integer ``(batch,)`` tensor (not with ``positions``).
         cu_seqlens: integer ``(batch + 1,)`` sequence boundaries in packed q/k.
         max_seqlen: longest packed sequence (computed when omitted).
-        seq_dim: the sequence (or packed token) axis.
+        tensor_format: the order of q's and k's axes: ``"bhsd"``, ``"bshd"``, ``"sbhd"`` or ``"thd"``;
+            this or ``seq_dim`` is required.
+        seq_dim: the sequence (or packed token) axis (``2``, ``1``, ``0``, ``0`` for the formats
+            above); both given must agree.
         head_size: channels per head when q and k come flat (vLLM's ``forward(positions, query, key)``).
-        layout: ``"half"`` or ``"interleaved"``.
+        layout: ``"half"`` or ``"interleaved"`` (or an alias: ``"neox"``, ``"gptj"``, ...).
         inplace: rotate q and k themselves.
         backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
 
@@ -346,14 +362,17 @@ def rotate_qk(
     Raises:
         ValueError: bad shapes, or positions outside the tables (checked before the kernel runs).
     """
+    layout = check_layout(layout)
     if head_size is not None:  # vLLM's flat (tokens, heads * head_size) q and k
         q_heads, k_heads = _unflatten_heads(q, head_size, "q"), _unflatten_heads(k, head_size, "k")
+        seq_dim = resolve_seq_dim(q_heads.dim(), tensor_format, seq_dim, name="q (heads unflattened)")
         if isinstance(seq_dim, int) and not isinstance(seq_dim, bool) and -q.dim() <= seq_dim < q.dim() - 1:
             seq_dim %= q.dim()
         q_out, k_out = rotate_qk(q_heads, k_heads, cos_table, sin_table, positions=positions, offsets=offsets,
                                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seq_dim=seq_dim, layout=layout,
                                  inplace=inplace, backend=backend)
         return (q, k) if inplace else (q_out.flatten(-2), k_out.flatten(-2))
+    seq_dim = resolve_seq_dim(getattr(q, "ndim", 0), tensor_format, seq_dim)
     where = check_shapes(q, k, cos_table, sin_table, positions, offsets, cu_seqlens, max_seqlen, seq_dim, layout)
     _by_position_checks(q, k, cos_table, sin_table, inplace,
                         {"positions": positions, "offsets": offsets, "cu_seqlens": cu_seqlens})

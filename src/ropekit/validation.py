@@ -34,12 +34,111 @@ MAX_POSITION = 1 << 40
 #: The largest context-extension factor a scaling rule accepts (released configs use 2 to 64).
 MAX_FACTOR = float(1 << 20)
 
+#: The names people type for the two pairings, each mapped to ropekit's own.
+LAYOUT_ALIASES = {
+    "neox": "half",
+    "gpt-neox": "half",
+    "gpt_neox": "half",
+    "rotate_half": "half",
+    "gptj": "interleaved",
+    "gpt-j": "interleaved",
+    "gpt_j": "interleaved",
+    "meta": "interleaved",
+    "complex": "interleaved",
+}
+_LAYOUT_NAMES = {**{layout: layout for layout in LAYOUTS}, **LAYOUT_ALIASES}
+
 
 def check_layout(layout: str, name: str = "layout") -> str:
-    """Return ``layout`` if it is ``"half"`` or ``"interleaved"``, else raise ``ValueError``."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"{name} must be one of {LAYOUTS}, got {layout!r}")
-    return layout
+    """The canonical name of ``layout``: ``"half"`` or ``"interleaved"``, or an alias of one (else ``ValueError``).
+
+    Aliases (:data:`LAYOUT_ALIASES`): ``"neox"``, ``"gpt-neox"``, ``"rotate_half"`` mean ``"half"``;
+    ``"gptj"``, ``"gpt-j"``, ``"meta"``, ``"complex"`` mean ``"interleaved"``. Callers use the
+    returned name, never the one they were given.
+    """
+    try:
+        canonical = _LAYOUT_NAMES.get(layout)
+    except TypeError:  # unhashable
+        canonical = None
+    if canonical is None:
+        raise ValueError(f"{name} must be one of {LAYOUTS} (or an alias: {', '.join(map(repr, LAYOUT_ALIASES))}), "
+                         f"got {layout!r}")
+    return canonical
+
+
+# -- tensor formats: the order of q/k's axes, named --------------------------------------------------
+
+#: ``tensor_format`` name -> (number of dims, sequence axis). ``b`` batch, ``h`` heads, ``s`` sequence,
+#: ``t`` packed tokens of variable-length sequences (with ``cu_seqlens``), ``d`` head_dim.
+TENSOR_FORMATS = {
+    "bhsd": (4, 2),  # transformers
+    "bshd": (4, 1),  # flash-attention, TransformerEngine, timm/ViT after the head split
+    "sbhd": (4, 0),  # Megatron, TransformerEngine
+    "thd": (3, 0),   # packed: flash-attention varlen, vLLM, TransformerEngine
+}
+_FORMAT_AXES = {"b": "batch", "h": "heads", "s": "seq", "t": "tokens", "d": "head_dim"}
+
+
+def spell_format(tensor_format: str) -> str:
+    """``"bshd"`` -> ``"(batch, seq, heads, head_dim)"``."""
+    return "(" + ", ".join(_FORMAT_AXES[c] for c in tensor_format) + ")"
+
+
+def formats_with_seq_len(shape: tuple[int, ...], length: int) -> list[str]:
+    """The tensor formats of ``len(shape)`` dims whose sequence axis has ``length`` entries in ``shape``."""
+    return [f for f, (ndim, axis) in TENSOR_FORMATS.items() if ndim == len(shape) and shape[axis] == length]
+
+
+def format_hint(shape: tuple[int, ...], length: int) -> str:
+    """`` "; if x is (batch, seq, heads, head_dim) pass tensor_format='bshd'"`` when such a format fits, else ``""``."""
+    fits = formats_with_seq_len(tuple(shape), length)
+    return "".join(f"; if it is {spell_format(f)} pass tensor_format={f!r}" for f in fits)
+
+
+def resolve_seq_dim(ndim: int, tensor_format: str | None, seq_dim: int | None, *, name: str = "q",
+                    default: int | None = None) -> int:
+    """The sequence axis of a ``ndim``-D q/k named by ``tensor_format`` or ``seq_dim``.
+
+    ``tensor_format`` (one of :data:`TENSOR_FORMATS`) must describe ``ndim`` dims and gives its
+    sequence axis (a non-negative int); ``seq_dim`` given alone is returned as given (its range is
+    checked where it is used). Both given: they must name one axis. Neither: ``default``, or a
+    ``TypeError`` when there is none (the caller must name the order).
+    """
+    if tensor_format is not None:
+        try:
+            described = TENSOR_FORMATS.get(tensor_format)
+        except TypeError:
+            described = None
+        if described is None:
+            raise ValueError(f"tensor_format must be one of {tuple(TENSOR_FORMATS)}, got {tensor_format!r}")
+        want, axis = described
+        if ndim != want:
+            raise ValueError(f"tensor_format={tensor_format!r} describes {want}-D {name} "
+                             f"{spell_format(tensor_format)}, got {name} with {ndim} dims")
+        if seq_dim is not None and (isinstance(seq_dim, bool) or not isinstance(seq_dim, int)
+                                    or not -ndim <= seq_dim < ndim or seq_dim % ndim != axis):
+            raise ValueError(f"seq_dim={seq_dim!r} and tensor_format={tensor_format!r} disagree: the format puts the "
+                             f"sequence on axis {axis}; pass one of them")
+        return axis
+    if seq_dim is None:
+        if default is None:
+            raise TypeError(f"name the order of {name}'s axes: tensor_format= one of {tuple(TENSOR_FORMATS)} "
+                            "(or the sequence axis, seq_dim=)")
+        return default
+    return seq_dim
+
+
+def full_width_message(table_width: int, head_dim: int, name: str = "cos") -> str | None:
+    """The error for tables too wide for ``head_dim``; names transformers' full-width form when it fits one."""
+    if 2 * table_width <= head_dim:
+        return None
+    if table_width <= head_dim and table_width % 2 == 0:
+        return (f"{name} has {table_width} entries per row, more than head_dim // 2 = {head_dim // 2}: this looks "
+                f"like full-width cos/sin (transformers' form, torch.cat((freqs, freqs), -1), of width rotary_dim = "
+                f"{table_width}); ropekit takes half-width tables of rotary_dim // 2 entries: pass "
+                f"cos[..., :{table_width // 2}] and sin[..., :{table_width // 2}]")
+    return (f"{name} has {table_width} entries per row but head_dim is {head_dim}: rotary_dim = 2 * {table_width} "
+            f"exceeds head_dim")
 
 
 def check_even_positive(value: int, name: str) -> int:

@@ -172,7 +172,7 @@ def convert_checkpoint(
             holds or would replace an input.
         FileExistsError: an output exists and ``force`` is false.
     """
-    check_layout(dst_layout, "dst_layout (--to)")
+    dst_layout = check_layout(dst_layout, "dst_layout (--to)")
     if layout_check not in LAYOUT_CHECKS:
         raise ValueError(f"layout_check must be one of {LAYOUT_CHECKS}, got {layout_check!r}")
     ckpt = load_checkpoint(src)

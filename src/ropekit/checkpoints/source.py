@@ -335,9 +335,9 @@ def resolve_layout(given: str | None, dst: str, sources: list[Source], weights: 
     ``weights`` (a :class:`~ropekit.rope.pairing.LayoutEvidence` or ``None``): what the q/k weights
     say, added to the refusals (a contradiction with the config is reported there, not ignored).
     """
-    check_layout(dst, "dst_layout (--to)")
+    dst = check_layout(dst, "dst_layout (--to)")
     if given is not None:
-        check_layout(given, "src_layout (--from)")
+        given = check_layout(given, "src_layout (--from)")
     told = [s for s in sources if s.layout is not None and s.kind != "given"]
     recorded = next((s for s in told if s.kind == "metadata"), None)
     if recorded is None and len({s.layout for s in told}) > 1:

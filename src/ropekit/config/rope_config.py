@@ -63,7 +63,7 @@ class RopeConfig:
             raise ValueError(f"rotary_dim must not exceed head_dim ({self.head_dim}), got {rotary_dim}")
         set_(self, "rotary_dim", rotary_dim)
         set_(self, "base", check_positive_float(self.base, "base"))
-        check_layout(self.layout)
+        set_(self, "layout", check_layout(self.layout))
         max_positions = self.max_positions
         if max_positions is not None and (isinstance(max_positions, bool) or not isinstance(max_positions, int)
                                           or max_positions <= 0):

@@ -126,6 +126,7 @@ def rms_norm_rotary_qk(
     Autograd: gradients reach q, k and the weights (not cos/sin); the backward recomputes the
     norm from q and k (nothing else of their size is saved).
     """
+    layout = check_layout(layout)
     key, run = prepared_keys.rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, eps, norm, layout, weight_offset,
                                                 inplace, backend)
     if run is not None:
@@ -179,6 +180,7 @@ def rms_norm_rotary(
 
     Arguments, result and precision as there, with ``x`` and ``weight`` for q and ``q_weight``.
     """
+    layout = check_layout(layout)
     eps, weight_offset, per_token = _check_options(eps, weight_offset, norm, layout, inplace, {"weight": weight})
     _check_rows(x, "x", per_token)
     check_norm_weight(weight, x, per_token, "weight", "x")

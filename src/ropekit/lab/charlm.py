@@ -210,7 +210,7 @@ class CharLMConfig:
 class NoRotation(nn.Module):
     """Stands in for a :class:`RotaryEmbedding` in a softmax attention layer without RoPE: returns q, k as they are."""
 
-    def forward(self, q, k, positions=None, *, offset=0, seq_dim=-2):
+    def forward(self, q, k, positions=None, *, offset=0, tensor_format=None, seq_dim=None):
         """``(q, k)`` unchanged."""
         return q, k
 

@@ -6,6 +6,7 @@ from .attention import RotarySelfAttention
 from .kv_cache import KVCache
 from .linear_attention import RotaryLinearAttention, causal_linear_attention
 from .multiaxis import MixedRotaryEmbedding, MultiAxisRotaryEmbedding
+from .protocol import RotaryModule, check_rotary_module
 from .rotary import RotaryEmbedding
 from .xpos import XPosEmbedding, xpos_zeta
 
@@ -17,11 +18,13 @@ __all__ = [
     "MultiAxisRotaryEmbedding",
     "RotaryEmbedding",
     "RotaryLinearAttention",
+    "RotaryModule",
     "RotarySelfAttention",
     "SinusoidalPositionalEncoding",
     "XPosEmbedding",
     "alibi_bias",
     "alibi_slopes",
     "causal_linear_attention",
+    "check_rotary_module",
     "xpos_zeta",
 ]

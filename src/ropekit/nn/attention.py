@@ -22,6 +22,7 @@ from ..distributed.context import ContextShard
 from ..functional import apply_rotary
 from ..validation import check_hidden_states, positive_int, resolve_head_dim
 from .kv_cache import KVCache
+from .protocol import RotaryModule, check_rotary_module
 from .rotary import RotaryEmbedding
 
 # ``enable_gqa`` appeared in torch 2.5; older versions get k/v repeated per query head.
@@ -30,18 +31,20 @@ _SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 def build_rope(
     head_dim: int,
-    rope: RotaryEmbedding | None,
+    rope: RotaryModule | None,
     *,
     rotary_dim: int | None,
     base: float,
     layout: str,
     scaling: Any,
-) -> RotaryEmbedding:
-    """The module's :class:`RotaryEmbedding`: ``rope`` itself (checked) or a new one."""
+) -> RotaryModule:
+    """The module's rotary module: ``rope`` itself (any :class:`~ropekit.nn.RotaryModule`, checked) or a new one.
+
+    The new one is a :class:`RotaryEmbedding` of ``rotary_dim``, ``base``, ``layout`` and ``scaling``.
+    """
     if rope is None:
         return RotaryEmbedding(head_dim, base=base, rotary_dim=rotary_dim, layout=layout, scaling=scaling)
-    if not isinstance(rope, RotaryEmbedding):
-        raise TypeError(f"rope must be a ropekit.RotaryEmbedding or None, got {type(rope).__name__}")
+    check_rotary_module(rope)
     if rope.head_dim != head_dim:
         raise ValueError(f"rope was built for head_dim={rope.head_dim} but this module has head_dim={head_dim}")
     if rotary_dim is not None or base != 10000.0 or layout != "half" or scaling is not None:
@@ -163,14 +166,17 @@ class RotarySelfAttention(HeadedAttention):
         causal: mask future tokens (decoder); ``False`` for an encoder.
         bias: add biases to the four projections.
         dropout: attention-probability dropout, applied in training mode only.
-        rope: a :class:`ropekit.RotaryEmbedding` to use (e.g. shared between layers);
-            then ``rotary_dim``/``base``/``layout``/``scaling`` must be left at their defaults.
+        rope: any rotary module (:class:`ropekit.nn.RotaryModule`: ``RotaryEmbedding``,
+            ``XPosEmbedding``, ``MultiAxisRotaryEmbedding``, ``MixedRotaryEmbedding`` or one's
+            own), e.g. shared between layers; then ``rotary_dim``/``base``/``layout``/``scaling``
+            must be left at their defaults. It is called ``rope(q, k, positions, offset=...,
+            tensor_format="bhsd")`` and its ``(q', k')`` attended to as they are.
 
     Attributes:
         q_proj, k_proj, v_proj, o_proj: :class:`torch.nn.Linear` projections named as in
             Hugging Face models: ``q_proj`` is ``E -> H*d``, ``k_proj``/``v_proj`` are
             ``E -> num_kv_heads*d``, ``o_proj`` is ``H*d -> E``. Output rows are head-major.
-        rope: the :class:`ropekit.RotaryEmbedding` applied to queries and keys.
+        rope: the rotary module applied to queries and keys.
 
     Shapes:
         ``x``: ``(batch, seq, E)``; output ``(batch, seq, E)`` in ``x``'s dtype.
@@ -190,7 +196,7 @@ class RotarySelfAttention(HeadedAttention):
         causal: bool = True,
         bias: bool = False,
         dropout: float = 0.0,
-        rope: RotaryEmbedding | None = None,
+        rope: RotaryModule | None = None,
     ) -> None:
         super().__init__()
         self._init_geometry(embed_dim, num_heads, num_kv_heads, head_dim, causal, bias, dropout)
@@ -224,7 +230,8 @@ class RotarySelfAttention(HeadedAttention):
             x: float tensor ``(batch, seq, embed_dim)``.
             positions: integer token positions, ``(seq,)`` or ``(batch, seq)`` (padded batches:
                 each row its own positions). Default ``cache.length + arange(seq)``
-                (``arange(seq)`` without a cache).
+                (``arange(seq)`` without a cache). With a multi-axis ``rope``, position vectors
+                ``(seq, n_axes)`` or ``(batch, seq, n_axes)`` (required: they have no default).
             cache: a :class:`KVCache`; the new rotated keys and values are appended to it
                 and the queries attend over all of them. Causal masking then lets the
                 ``seq`` new tokens see every cached token (bottom-right alignment).
@@ -256,15 +263,18 @@ class RotarySelfAttention(HeadedAttention):
         q = self._split_heads(self.q_proj(x), self.num_heads)
         k = self._split_heads(self.k_proj(x), self.num_kv_heads)
         v = self._split_heads(self.v_proj(x), self.num_kv_heads)
-        into_cache = cache is not None and cache.max_length is not None and self.rope.keys_rotate_like_queries and not (
+        # Plain RoPE (RotaryEmbedding's own forward, keys rotated like queries) may rotate the keys straight
+        # into their cache slots; any other module's (q', k') is taken as it comes.
+        plain_rope = isinstance(self.rope, RotaryEmbedding) and type(self.rope).forward is RotaryEmbedding.forward
+        into_cache = cache is not None and cache.max_length is not None and plain_rope and not (
             torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
         if into_cache:  # q rotated here, k rotated into its cache slots (tables computed once for both)
             cos, sin = self.rope._broadcast_tables(q, positions, 0 if positions is not None else past, -2, None)
             q = apply_rotary(q, cos, sin, layout=self.rope.layout, backend=self.rope.backend)
         elif positions is None:
-            q, k = self.rope(q, k, offset=past, seq_dim=-2)
+            q, k = self.rope(q, k, offset=past, tensor_format="bhsd")
         else:
-            q, k = self.rope(q, k, positions, seq_dim=-2)
+            q, k = self.rope(q, k, positions, tensor_format="bhsd")
         # Build (and so validate) the mask before touching the cache: a bad call leaves it as it was.
         mask, is_causal = attention_bias_mask(
             batch, seq, past + seq, causal=self.causal, attention_mask=attention_mask, device=x.device
@@ -301,7 +311,10 @@ class RotarySelfAttention(HeadedAttention):
         q = self._split_heads(self.q_proj(x), self.num_heads)
         k = self._split_heads(self.k_proj(x), self.num_kv_heads)
         v = self._split_heads(self.v_proj(x), self.num_kv_heads)
-        q, k = self.rope(q, k, context.positions.to(x.device), seq_dim=-2, seq_len=context.rope_seq_len)
+        if not isinstance(self.rope, RotaryEmbedding):
+            raise TypeError(f"context: context parallelism rotates by the shard's integer positions and the global "
+                            f"length, which needs a ropekit.RotaryEmbedding rope, got {type(self.rope).__name__}")
+        q, k = self.rope(q, k, context.positions.to(x.device), tensor_format="bhsd", seq_len=context.rope_seq_len)
         k, v = context.gather(k, seq_dim=2), context.gather(v, seq_dim=2)
         mask = context.attention_mask(causal=self.causal, device=x.device)
         out = self._attend(q, k, v, None if mask is None else mask[None, None], False)

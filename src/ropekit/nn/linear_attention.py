@@ -176,7 +176,7 @@ class RotaryLinearAttention(nn.Module):
         phi_k = feature_map(self._split_heads(self.k_proj(x), work))
         v = self._split_heads(self.v_proj(x), work)
         if self.rope is not None:
-            rot_q, rot_k = self.rope(phi_q, phi_k, positions, seq_dim=-2)
+            rot_q, rot_k = self.rope(phi_q, phi_k, positions, tensor_format="bhsd")
         else:
             rot_q, rot_k = phi_q, phi_k
         if self.causal:

@@ -26,9 +26,36 @@ import torch
 from torch import nn
 
 from ..functional import apply_rotary, apply_rotary_qk
+from ..ops.positions import qk_axes
 from ..rope.axes import AxisPlan, matrix_angles
-from ..validation import check_axis_positions, check_even_positive, check_layout, check_positive_float, positive_int
+from ..validation import (
+    check_axis_positions,
+    check_even_positive,
+    check_layout,
+    check_positive_float,
+    format_hint,
+    positive_int,
+    resolve_seq_dim,
+)
 from .rotary import against_x, position_batch_axis
+
+
+def _no_offset(offset: Any) -> None:
+    """Vector positions have no default arange to shift: only ``offset=0`` (the protocol's default) is taken."""
+    if not (isinstance(offset, int) and not isinstance(offset, bool) and offset == 0):
+        raise ValueError(f"offset: multi-axis positions are vectors with no default to shift; pass the positions "
+                         f"of the new tokens (positions=), got offset={offset!r}")
+
+
+def _order(q: torch.Tensor, tensor_format: str | None, seq_dim: int | None, positions: Any,
+           n_tokens: int | None) -> int:
+    """The sequence axis (default ``-2``), a default contradicted by the positions' length raising with a hint."""
+    if tensor_format is not None or seq_dim is not None:
+        return resolve_seq_dim(q.dim(), tensor_format, seq_dim)
+    if n_tokens is not None and q.shape[-2] != n_tokens:
+        raise ValueError(f"positions cover {n_tokens} tokens but q of shape {tuple(q.shape)} has {q.shape[-2]} "
+                         f"along seq_dim=-2 (the default, 'bhsd' order){format_hint(q.shape, n_tokens)}")
+    return -2
 
 
 def _tables_against(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -69,9 +96,10 @@ class MultiAxisRotaryEmbedding(nn.Module):
         layout: ``"half"`` (Qwen, DINOv3) or ``"interleaved"`` (Flux, Wan, EVA-02, ...).
         backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
 
-    Shapes in :meth:`forward`: q/k ``(batch, heads, seq, head_dim)`` by default (``seq_dim=-2``), or
-    any layout with ``seq_dim`` naming the sequence axis; positions ``(seq, n_axes)`` (shared by the
-    batch) or ``(batch, seq, n_axes)``.
+    Shapes in :meth:`forward`: q/k ``(batch, heads, seq, head_dim)`` by default, or the order
+    ``tensor_format`` names (``"bshd"``, ``"sbhd"``, ``"thd"``; ``seq_dim`` for other ranks);
+    positions ``(seq, n_axes)`` (shared by the batch) or ``(batch, seq, n_axes)``. The module
+    honours :class:`ropekit.nn.RotaryModule`.
     """
 
     def __init__(self, plan: AxisPlan, *, head_dim: int | None = None, layout: str = "half",
@@ -100,18 +128,22 @@ class MultiAxisRotaryEmbedding(nn.Module):
         k: torch.Tensor | None,
         positions: torch.Tensor | None = None,
         *,
+        offset: int = 0,
+        tensor_format: str | None = None,
+        seq_dim: int | None = None,
         tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-        seq_dim: int = -2,
         inplace: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotate queries and keys by their position vectors.
 
         Args:
-            q: queries ``(..., seq, ..., head_dim)``; ``k``: keys of the same sequence length (any
-                head count) or ``None``.
+            q: float queries ``(batch, heads, seq, head_dim)`` by default; ``k``: keys of the same
+                sequence length (any head count) or ``None``.
             positions: ``(seq, n_axes)`` or ``(batch, seq, n_axes)``, integer or float.
+            offset: must be 0 (vector positions have no default to shift; part of the protocol).
+            tensor_format: the order of q's and k's axes (``"bhsd"``, ``"bshd"``, ``"sbhd"``, ``"thd"``).
+            seq_dim: the sequence axis of q and k (the low-level spelling; both given must agree).
             tables: ``(cos, sin)`` from :meth:`cos_sin` instead of ``positions`` (one of the two).
-            seq_dim: the sequence axis of q and k.
             inplace: rotate q and k in place.
 
         Returns:
@@ -129,6 +161,8 @@ class MultiAxisRotaryEmbedding(nn.Module):
             cos, sin = self.plan.cos_sin(positions.to(q.device))
         else:
             cos, sin = tables
+        _no_offset(offset)
+        seq_dim = _order(q, tensor_format, seq_dim, positions, cos.shape[-2] if cos.dim() >= 2 else None)
         cos, sin = _tables_against(q, cos, sin, seq_dim)
         if k is None:
             return apply_rotary(q, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend), None
@@ -185,6 +219,7 @@ class MixedRotaryEmbedding(nn.Module):
     ``(2, depth, heads, head_dim // 2)`` for all blocks; here one module per block). The tables
     are float32 from float64 angles and gradients reach ``freqs`` through them. Positions are
     ``(N, 2)`` = (x, y), e.g. ``patch_grid((h, w), indexing="xy")``; class tokens get (0, 0).
+    The module honours :class:`ropekit.nn.RotaryModule`.
     """
 
     def __init__(self, head_dim: int, num_heads: int, *, base: float = 10.0, layout: str = "interleaved",
@@ -206,21 +241,35 @@ class MixedRotaryEmbedding(nn.Module):
         angles = matrix_angles(positions.to(self.freqs.device), self.freqs)
         return torch.cos(angles).to(torch.float32), torch.sin(angles).to(torch.float32)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, *,
-                seq_dim: int = -2) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rotate q, k by the ``(N, 2)`` positions.
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor | None = None, *,
+                offset: int = 0, tensor_format: str | None = None,
+                seq_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rotate q, k by the ``(N, 2)`` positions (required; ``offset`` must be 0).
 
-        q and k are ``(batch, heads, N, head_dim)`` (``seq_dim=-2``) or ``(batch, N, heads, head_dim)``
-        (``seq_dim=-3``), with ``heads == num_heads``.
+        q and k are float ``(batch, heads, N, head_dim)`` (``tensor_format="bhsd"``, the default),
+        ``(batch, N, heads, head_dim)`` (``"bshd"``), ``(N, batch, heads, head_dim)`` (``"sbhd"``) or
+        ``(N, heads, head_dim)`` (``"thd"``), with ``heads == num_heads``. The default order is
+        checked against the positions' length and the head count.
         """
-        if not isinstance(q, torch.Tensor) or q.dim() < 3 or q.shape[-1] != self.head_dim:
-            raise ValueError(f"q must be (..., heads, N, head_dim={self.head_dim}) or (..., N, heads, head_dim), "
-                             f"got {getattr(q, 'shape', q)}")
-        cos, sin = self.cos_sin(positions)
-        if seq_dim % q.dim() == q.dim() - 3:  # (..., N, heads, d): tables (N, heads, pairs)
+        if not isinstance(q, torch.Tensor) or q.dim() not in (3, 4) or q.shape[-1] != self.head_dim:
+            raise ValueError(f"q must be (batch, heads, N, head_dim={self.head_dim}) or another order "
+                             f"tensor_format names, got {getattr(q, 'shape', q)}")
+        if positions is None:
+            raise ValueError("positions: MixedRotaryEmbedding needs the (N, 2) = (x, y) positions of the tokens")
+        _no_offset(offset)
+        cos, sin = self.cos_sin(positions)  # (heads, N, pairs)
+        axis = _order(q, tensor_format, seq_dim, positions, positions.shape[0]) % q.dim()
+        batch_axis, seq_axis, head_axis = qk_axes(q.dim(), axis)
+        head_axis = batch_axis if head_axis is None else head_axis  # (heads, N, head_dim): the lone axis is heads
+        if head_axis is None or q.shape[head_axis] != self.num_heads:
+            raise ValueError(f"q of shape {tuple(q.shape)} with its sequence on axis {axis} has "
+                             f"{None if head_axis is None else q.shape[head_axis]} heads, this module was built "
+                             f"for num_heads={self.num_heads}; name q's order with tensor_format=")
+        view = [1] * q.dim()
+        view[seq_axis], view[head_axis], view[-1] = cos.shape[1], cos.shape[0], cos.shape[-1]
+        if head_axis > seq_axis:  # tokens before heads: tables (N, heads, pairs)
             cos, sin = cos.transpose(0, 1), sin.transpose(0, 1)
-        elif seq_dim % q.dim() != q.dim() - 2:
-            raise ValueError(f"seq_dim must be -2 (heads before tokens) or -3 (tokens before heads), got {seq_dim}")
+        cos, sin = cos.reshape(view), sin.reshape(view)
         if k is None:
             return apply_rotary(q, cos, sin, layout=self.layout, backend=self.backend), None
         return apply_rotary_qk(q, k, cos, sin, layout=self.layout, backend=self.backend)

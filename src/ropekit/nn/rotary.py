@@ -11,7 +11,17 @@ from ..config.rules import inv_frequencies
 from ..functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
 from ..ops.positions import qk_axes
 from ..rope.frequencies import cos_sin
-from ..validation import check_even_positive, check_layout, check_positions, check_positive_float, is_dtensor
+from ..validation import (
+    TENSOR_FORMATS,
+    check_even_positive,
+    check_layout,
+    check_positions,
+    check_positive_float,
+    format_hint,
+    is_dtensor,
+    resolve_seq_dim,
+    spell_format,
+)
 
 _MIN_TABLE = 256
 # The cached tables never grow past this many rows (32 MiB at rotary_dim 128); rows of farther
@@ -46,6 +56,43 @@ def against_x(x: torch.Tensor, values: torch.Tensor, seq_axis: int) -> torch.Ten
         if batch_axis > seq_axis:
             values = values.transpose(0, 1)
     return values.reshape(view)
+
+
+def order_of(q: Any, k: Any, positions: Any, tensor_format: str | None, seq_dim: int | None) -> int:
+    """The sequence axis of a module call: named by ``tensor_format`` or ``seq_dim``, else ``-2`` (``"bhsd"``).
+
+    When the caller named neither, the default is checked against what the call itself shows, and
+    a call that contradicts it raises a ``ValueError`` that names the format that would fit:
+
+    - ``positions`` of ``n`` tokens where q has another length on axis -2 (e.g. a
+      ``(batch, seq, heads, head_dim)`` q with ``(seq,)`` positions, ``heads != seq``);
+    - ``k`` whose length on axis -2 differs from q's (a ``(batch, seq, heads, head_dim)`` q and
+      k with different head counts: GQA in flash-attention's order).
+
+    A ``(batch, seq, heads, head_dim)`` q and k with as many heads as each other and no positions
+    cannot be told from ``(batch, heads, seq, head_dim)``: such a caller must pass
+    ``tensor_format="bshd"``.
+    """
+    ndim = getattr(q, "ndim", 0)
+    if tensor_format is not None or seq_dim is not None:
+        return resolve_seq_dim(ndim, tensor_format, seq_dim)
+    if ndim < 2:
+        return -2
+    default = "(the default, 'bhsd' order)" if ndim == 4 else "(the default)"
+    if isinstance(positions, torch.Tensor) and positions.dim() in (1, 2) and positions.shape[-1] != q.shape[-2]:
+        raise ValueError(
+            f"positions cover {positions.shape[-1]} tokens but q of shape {tuple(q.shape)} has {q.shape[-2]} along "
+            f"seq_dim=-2 {default}{format_hint(q.shape, positions.shape[-1])}; name the order with tensor_format= "
+            f"({', '.join(TENSOR_FORMATS)}) or seq_dim="
+        )
+    if isinstance(k, torch.Tensor) and k.dim() == ndim and ndim >= 2 and k.shape[-2] != q.shape[-2]:
+        fits = [f for f, (n, axis) in TENSOR_FORMATS.items() if n == ndim and q.shape[axis] == k.shape[axis]]
+        hint = "".join(f"; if they are {spell_format(f)} pass tensor_format={f!r}" for f in fits)
+        raise ValueError(
+            f"q and k must have the same length along seq_dim=-2 {default}, got {q.shape[-2]} and {k.shape[-2]} "
+            f"(q {tuple(q.shape)}, k {tuple(k.shape)}){hint}"
+        )
+    return -2
 
 
 def _round_up_pow2(n: int) -> int:
@@ -85,15 +132,14 @@ class RotaryEmbedding(nn.Module):
     and grown on demand up to ``max_cached_positions`` rows. They are not buffers:
     ``module.to(torch.bfloat16)`` cannot downcast them.
 
-    Shapes in :meth:`forward`: ``q`` is ``(..., seq, heads, head_dim)`` or
-    ``(..., heads, seq, head_dim)`` with ``seq_dim`` naming the sequence axis
-    (default ``-2``, i.e. ``(batch, heads, seq, head_dim)``). ``k`` may have a
+    Shapes in :meth:`forward`: ``tensor_format`` names the order of q's and k's axes
+    (``"bhsd"``, ``"bshd"``, ``"sbhd"``, ``"thd"``; or ``seq_dim`` the sequence axis, for
+    other ranks). Naming neither means ``(batch, heads, seq, head_dim)`` (``"bhsd"``, axis
+    ``-2``), and a call that contradicts it raises (see :func:`order_of`). ``k`` may have a
     different number of heads (GQA / MQA).
-    """
 
-    #: keys take the queries' rotation (cos/sin of their positions, nothing else), so a
-    #: preallocated KV cache may rotate them into their slots; False for xPos (its keys are scaled).
-    keys_rotate_like_queries: bool = True
+    The module honours :class:`ropekit.nn.RotaryModule`.
+    """
 
     def __init__(
         self,
@@ -279,12 +325,14 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor | None = None,
         *,
         offset: int | torch.Tensor = 0,
-        seq_dim: int = -2,
+        tensor_format: str | None = None,
+        seq_dim: int | None = None,
         inplace: bool = False,
         seq_len: int | None = None,
         shard_scheme: str | None = None,
     ) -> torch.Tensor:
         """Rotate one tensor ``x`` (a query or a key); arguments as in :meth:`forward`."""
+        seq_dim = order_of(x, None, positions, tensor_format, seq_dim)
         if is_dtensor(x) or shard_scheme is not None:
             return self._forward_dtensor(x, None, positions, offset, seq_dim, inplace, seq_len, shard_scheme)[0]
         if isinstance(x, torch.Tensor) and 2 <= x.dim() <= 4:
@@ -301,7 +349,8 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor | None = None,
         *,
         offset: int | torch.Tensor = 0,
-        seq_dim: int = -2,
+        tensor_format: str | None = None,
+        seq_dim: int | None = None,
         inplace: bool = False,
         seq_len: int | None = None,
         shard_scheme: str | None = None,
@@ -309,14 +358,19 @@ class RotaryEmbedding(nn.Module):
         """Rotate queries and keys.
 
         Args:
-            q: queries, ``(batch, heads, seq, head_dim)`` by default (see ``seq_dim``).
+            q: queries, ``(batch, heads, seq, head_dim)`` by default (see ``tensor_format``); any
+                float dtype.
             k: keys with the same sequence length (any head count), or ``None``.
             positions: integer token positions, ``(seq,)`` or ``(batch, seq)`` for padded or
                 packed batches and KV-cache decoding; default ``offset + arange(seq)``.
             offset: shift of the default positions: an int, or a ``(batch,)`` tensor of
                 per-sequence offsets.
-            seq_dim: the sequence axis of ``q`` and ``k`` (``-2`` for ``(b, h, s, d)``,
-                ``-3`` for ``(b, s, h, d)``, ``0`` for packed ``(tokens, h, d)``).
+            tensor_format: the order of q's and k's axes: ``"bhsd"`` (transformers), ``"bshd"``
+                (flash-attention), ``"sbhd"`` (Megatron), ``"thd"`` (packed ``(tokens, heads,
+                head_dim)``, positions ``(tokens,)``). Default: ``"bhsd"``, checked (see
+                :func:`order_of`; a ``(batch, seq, heads, head_dim)`` call must say so).
+            seq_dim: the sequence axis, the low-level spelling (``-2`` for ``"bhsd"``, ``-3`` for
+                ``"bshd"``, ``0`` for ``"sbhd"`` and ``"thd"``; any rank); both given must agree.
             inplace: rotate ``q`` and ``k`` in place.
             seq_len: the length of the whole sequence, which dynamic scaling rules (``DynamicNTK``,
                 LongRoPE's short/long switch) decide from; default one past the largest position.
@@ -336,6 +390,7 @@ class RotaryEmbedding(nn.Module):
         kernel call; the rows are looked up by position, inside the kernel on CUDA); other
         shapes to :func:`ropekit.apply_rotary_qk` with the rows gathered here.
         """
+        seq_dim = order_of(q, k, positions, tensor_format, seq_dim)
         if is_dtensor(q) or is_dtensor(k) or shard_scheme is not None:
             return self._forward_dtensor(q, k, positions, offset, seq_dim, inplace, seq_len, shard_scheme)
         if k is None:

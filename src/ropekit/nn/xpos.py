@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..validation import check_positive_float, is_dtensor
-from .rotary import MAX_CACHED_POSITIONS, RotaryEmbedding, against_x
+from .rotary import MAX_CACHED_POSITIONS, RotaryEmbedding, against_x, order_of
 
 #: The largest ``|exponent|`` of a scale factor: ``exp(80)`` is about 5.5e34, below float32's 3.4e38.
 MAX_LOG_SCALE = 80.0
@@ -60,14 +60,13 @@ class XPosEmbedding(RotaryEmbedding):
             configs without a scaling rule).
         backend, max_cached_positions: as in :class:`~ropekit.nn.RotaryEmbedding`.
 
-    A :class:`RotaryEmbedding` whose :meth:`forward` returns ``(q', k')`` as above, so it can
-    stand in for RoPE in :class:`~ropekit.nn.RotarySelfAttention` (``rope=XPosEmbedding(...)``),
-    KV cache included: a cached key keeps the factor of its own position, and later queries
-    use theirs. Scale factors are computed in float64 and applied in float32 (float64 for
+    Its :meth:`forward` honours :class:`ropekit.nn.RotaryModule` and returns ``(q', k')`` as
+    above, the key factors included: a caller needs to know nothing of xPos, so it stands in
+    for RoPE in :class:`~ropekit.nn.RotarySelfAttention` (``rope=XPosEmbedding(...)``), KV
+    cache included: a cached key keeps the factor of its own position, and later queries use
+    theirs. Scale factors are computed in float64 and applied in float32 (float64 for
     float64 inputs); outputs have the input dtype.
     """
-
-    keys_rotate_like_queries = False  # keys scaled by zeta^(-(m-c)/B): not the queries' rotation
 
     def __init__(
         self,
@@ -154,7 +153,8 @@ class XPosEmbedding(RotaryEmbedding):
         positions: torch.Tensor | None = None,
         *,
         offset: int | torch.Tensor = 0,
-        seq_dim: int = -2,
+        tensor_format: str | None = None,
+        seq_dim: int | None = None,
         inplace: bool = False,
         seq_len: int | None = None,
         shard_scheme: str | None = None,
@@ -162,6 +162,7 @@ class XPosEmbedding(RotaryEmbedding):
     ) -> torch.Tensor:
         """Rotate and scale one tensor: as a query (``zeta^((n-c)/B)``), or as a key with ``key=True``."""
         _plain(x, None, shard_scheme)
+        seq_dim = order_of(x, None, positions, tensor_format, seq_dim)
         rotated = super().rotate(x, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len)
         return self._scaled(x, rotated, positions, offset, seq_dim, key, inplace)
 
@@ -172,7 +173,8 @@ class XPosEmbedding(RotaryEmbedding):
         positions: torch.Tensor | None = None,
         *,
         offset: int | torch.Tensor = 0,
-        seq_dim: int = -2,
+        tensor_format: str | None = None,
+        seq_dim: int | None = None,
         inplace: bool = False,
         seq_len: int | None = None,
         shard_scheme: str | None = None,
@@ -184,6 +186,7 @@ class XPosEmbedding(RotaryEmbedding):
         q/k (``shard_scheme``) are refused.
         """
         _plain(q, k, shard_scheme)
+        seq_dim = order_of(q, k, positions, tensor_format, seq_dim)
         if k is None:
             return self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len), None
         rq, rk = super().forward(q, k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len)

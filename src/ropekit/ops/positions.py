@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..validation import check_float_tensor, check_layout
+from ..validation import check_float_tensor, check_layout, full_width_message
 
 
 def qk_axes(ndim: int, seq_dim: int) -> tuple[int | None, int, int | None]:
@@ -108,8 +108,9 @@ def check_tables(x: Tensor, cos: Tensor, sin: Tensor) -> None:
             "cos_table and sin_table must both have shape (max_positions, rotary_dim // 2) with rotary_dim > 0, "
             f"got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
-    if 2 * cos.shape[1] > x.shape[-1]:
-        raise ValueError(f"rotary_dim = 2 * {cos.shape[1]} exceeds head_dim = {x.shape[-1]}")
+    too_wide = full_width_message(cos.shape[1], x.shape[-1], "cos_table")
+    if too_wide is not None:
+        raise ValueError(f"rotary_dim = 2 * {cos.shape[1]} exceeds head_dim = {x.shape[-1]}: {too_wide}")
 
 
 def check_shapes(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, positions, offsets, cu_seqlens,

@@ -21,7 +21,7 @@ def pair_indices(rotary_dim: int, layout: str) -> tuple[torch.Tensor, torch.Tens
     Returns:
         two int64 tensors of shape ``(rotary_dim // 2,)``.
     """
-    check_layout(layout)
+    layout = check_layout(layout)
     idx = torch.arange(rotary_dim // 2)
     if layout == "interleaved":
         return 2 * idx, 2 * idx + 1
@@ -70,7 +70,7 @@ def rotation_matrix(position: object, inv_freq: object, *, layout: str = "interl
     Returns:
         float64 tensor of shape ``(d, d)``, orthogonal, with ``R(m)^T R(n) = R(n - m)``.
     """
-    check_layout(layout)
+    layout = check_layout(layout)
     angles = _angles(position, inv_freq)
     rotary_dim = 2 * angles.numel()
     first, second = pair_indices(rotary_dim, layout)

@@ -27,8 +27,7 @@ def channel_permutation(head_dim: int, src: str, dst: str, *, rotary_dim: int | 
     Returns:
         int64 tensor of shape ``(head_dim,)``.
     """
-    check_layout(src, "src")
-    check_layout(dst, "dst")
+    src, dst = check_layout(src, "src"), check_layout(dst, "dst")
     check_even_positive(head_dim, "head_dim")
     rotary_dim = head_dim if rotary_dim is None else check_even_positive(rotary_dim, "rotary_dim")
     if rotary_dim > head_dim:
