@@ -94,3 +94,30 @@ def test_no_import_cycle_between_modules():
     for node in graph:
         if node not in state:
             visit(node, [node])
+
+
+def private_imports(path: Path) -> list[str]:
+    """``from module import _name`` statements of ``path`` (dunder names such as ``__version__`` are public)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            found += [f"from {module} import {alias.name}" for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+#: The lab becomes its own distribution on ropekit's public API; its internal imports are its own business.
+LIBRARY = [p for p in SOURCES if module_name(p).split(".")[:2] != ["ropekit", "lab"]]
+
+
+@pytest.mark.parametrize("path", LIBRARY, ids=lambda p: module_name(p))
+def test_no_module_imports_a_private_name_of_another(path):
+    """A helper another module needs is public where it lives (shared argument checks in ``validation``)."""
+    assert private_imports(path) == [], f"{module_name(path)} imports private names of other modules"
+
+
+def test_the_private_import_check_sees_one(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("from ..functional import _check_tables, apply_rotary\nfrom . import __version__\n")
+    assert private_imports(sample) == ["from ..functional import _check_tables"]

@@ -269,13 +269,13 @@ def test_far_rows_equal_cached_rows_bit_for_bit():
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 12)), min_size=1, max_size=4))
 def test_overlap_check_is_exact(dims):
     """The in-place overlap check against brute force: every element offset of random strided views."""
-    from ropekit.functional import _overlaps
+    from ropekit.validation import overlaps_itself
 
     sizes, strides = [n for n, _ in dims], [s for _, s in dims]
     view = torch.zeros(200).as_strided(sizes, strides)
     offsets = [sum(i * s for i, s in zip(index, strides, strict=True)) for index in itertools.product(
         *(range(n) for n in sizes))]
-    assert _overlaps(view) == (len(set(offsets)) < len(offsets))
+    assert overlaps_itself(view) == (len(set(offsets)) < len(offsets))
 
 
 def test_registering_again_replaces_prepared_calls(recording):

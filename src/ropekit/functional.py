@@ -22,80 +22,12 @@ from .ops.dispatch import get as get_backend
 from .ops.eager import rotate_differentiable
 from .ops.memory import check_not_shared
 from .ops.positions import check_shapes
-from .validation import check_float_tensor, check_layout, full_width_message, resolve_seq_dim
-
-_EXACT_OVERLAP_MAX = 1 << 22  # elements up to which an unusual layout is checked element by element
-
-
-def _overlaps(x: Tensor) -> bool:
-    """Whether two indices of ``x`` address one element (torch's own test, then an exact one where it gives up).
-
-    Strides that each pass the reach of the smaller ones (every dense, transposed or sliced view)
-    cannot overlap; other layouts are checked element by element, or, past
-    ``_EXACT_OVERLAP_MAX`` elements, taken as overlapping.
-    """
-    status = torch._debug_has_internal_overlap(x)  # 0: no, 1: yes, 2: too hard for torch
-    if status != 2:
-        return status == 1
-    reach = 0  # the farthest offset the axes of smaller stride reach: each next stride must pass it
-    for stride, size in sorted((st, n) for st, n in zip(x.stride(), x.shape, strict=True) if n > 1):
-        if stride <= reach:
-            break
-        reach += (size - 1) * stride
-    else:
-        return False
-    if x.numel() > _EXACT_OVERLAP_MAX:
-        return True
-    offsets = torch.zeros((), dtype=torch.long)
-    for stride, size in zip(x.stride(), x.shape, strict=True):
-        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
-    return offsets.unique().numel() < x.numel()
-
-
-def _check_inplace(x: Tensor, name: str) -> None:
-    """In place needs each element of ``x`` stored once (torch refuses the same for its own ops)."""
-    if not torch.compiler.is_compiling() and _overlaps(x):
-        raise ValueError(
-            f"{name} has elements that share memory (an expand or as_strided view of shape {tuple(x.shape)} and "
-            f"strides {x.stride()}); in-place rotation needs each element stored once: pass {name}.clone() or "
-            "use inplace=False"
-        )
+from .validation import check_float_tensor, check_inplace, check_layout, check_tables, resolve_seq_dim
 
 
 def _check_options(layout: str, inplace: bool) -> None:
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
-
-
-def _check_tables(x: Tensor, cos: Tensor, sin: Tensor) -> None:
-    """Check the tables against ``x``: ``(..., rotary_dim // 2)`` broadcasting against ``x.shape[:-1]``."""
-    check_float_tensor(cos, "cos")
-    check_float_tensor(sin, "sin")
-    table_shape, x_shape = cos.shape, x.shape
-    if table_shape != sin.shape:
-        raise ValueError(f"cos and sin must have the same shape, got {tuple(table_shape)} and {tuple(sin.shape)}")
-    ndim, x_ndim = len(table_shape), len(x_shape)
-    if ndim == 0:
-        raise ValueError("cos must have at least one dimension (rotary_dim // 2,), got a scalar")
-    if ndim > x_ndim:
-        raise ValueError(
-            f"cos has {ndim} dimensions, more than x ({x_ndim}): tables must broadcast against x; "
-            f"got cos {tuple(table_shape)} and x {tuple(x_shape)}"
-        )
-    too_wide = full_width_message(table_shape[-1], x_shape[-1])
-    if too_wide is not None:
-        raise ValueError(f"x has {x_shape[-1]} channels in its last dimension, fewer than rotary_dim = 2 * "
-                         f"cos.shape[-1] = {2 * table_shape[-1]}: {too_wide}")
-    lead = x_ndim - ndim
-    for axis in range(ndim - 1):
-        t, n = table_shape[axis], x_shape[lead + axis]
-        if t != 1 and t != n:
-            raise ValueError(
-                f"cos/sin of shape {tuple(table_shape)} do not broadcast against x of shape {tuple(x_shape)} "
-                f"(axis {lead + axis}: {t} vs {n})"
-            )
-    if not (cos.is_cpu and x.is_cpu) and cos.device != x.device:
-        raise ValueError(f"cos is on {cos.device} but x is on {x.device}")
 
 
 def apply_rotary_qk(
@@ -142,10 +74,10 @@ def apply_rotary_qk(
     if inplace:
         if q is k:
             raise ValueError("inplace=True needs distinct q and k tensors (the same tensor would be rotated twice)")
-        _check_inplace(q, "q")
-        _check_inplace(k, "k")
-    _check_tables(q, cos, sin)
-    _check_tables(k, cos, sin)
+        check_inplace(q, "q")
+        check_inplace(k, "k")
+    check_tables(q, cos, sin)
+    check_tables(k, cos, sin)
     if inplace:
         check_not_shared({"q": q, "k": k}, {"cos": cos, "sin": sin}, "inplace=True")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
@@ -208,8 +140,8 @@ def apply_rotary(
     check_float_tensor(x, "x")
     _check_options(layout, inplace)
     if inplace:
-        _check_inplace(x, "x")
-    _check_tables(x, cos, sin)
+        check_inplace(x, "x")
+    check_tables(x, cos, sin)
     if inplace:
         check_not_shared({"x": x}, {"cos": cos, "sin": sin}, "inplace=True")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
@@ -240,9 +172,9 @@ def _by_position_checks(q: Tensor, k: Tensor | None, cos_table: Tensor, sin_tabl
     if inplace:
         if q is k:
             raise ValueError("inplace=True needs distinct q and k tensors (the same tensor would be rotated twice)")
-        _check_inplace(q, "q" if k is not None else "x")
+        check_inplace(q, "q" if k is not None else "x")
         if k is not None:
-            _check_inplace(k, "k")
+            check_inplace(k, "k")
         written = {"q": q, "k": k} if k is not None else {"x": q}
         check_not_shared(written, {"cos_table": cos_table, "sin_table": sin_table, **position_tensors}, "inplace=True")
     if torch.is_grad_enabled() and (cos_table.requires_grad or sin_table.requires_grad):

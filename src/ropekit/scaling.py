@@ -15,7 +15,10 @@ from .rope.scaling import (
     Proportional,
     ScalingRule,
     YaRN,
+    known_rope_types,
     ntk_base,
+    register_rule,
+    rule_class,
     yarn_mscale,
 )
 
@@ -30,8 +33,11 @@ __all__ = [
     "Proportional",
     "ScalingRule",
     "YaRN",
+    "known_rope_types",
     "ntk_base",
+    "register_rule",
     "rope_type_of",
+    "rule_class",
     "rule_from_dict",
     "yarn_mscale",
 ]

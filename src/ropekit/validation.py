@@ -375,3 +375,74 @@ def check_base_above_one(rule: str, base: float) -> None:
     """Rules that take ``log(base)`` need ``base > 1``."""
     if not base > 1.0:
         raise ValueError(f"{rule}: base (rope_theta) must be > 1, got {base!r}")
+
+
+# Checks shared by the rotation entry points (functional, fused).
+
+EXACT_OVERLAP_MAX = 1 << 22  # elements up to which an unusual layout is checked element by element
+
+
+def overlaps_itself(x: torch.Tensor) -> bool:
+    """Whether two indices of ``x`` address one element (torch's own test, then an exact one where it gives up).
+
+    Strides that each pass the reach of the smaller ones (every dense, transposed or sliced view)
+    cannot overlap; other layouts are checked element by element, or, past
+    ``EXACT_OVERLAP_MAX`` elements, taken as overlapping.
+    """
+    status = torch._debug_has_internal_overlap(x)  # 0: no, 1: yes, 2: too hard for torch
+    if status != 2:
+        return status == 1
+    reach = 0  # the farthest offset the axes of smaller stride reach: each next stride must pass it
+    for stride, size in sorted((st, n) for st, n in zip(x.stride(), x.shape, strict=True) if n > 1):
+        if stride <= reach:
+            break
+        reach += (size - 1) * stride
+    else:
+        return False
+    if x.numel() > EXACT_OVERLAP_MAX:
+        return True
+    offsets = torch.zeros((), dtype=torch.long)
+    for stride, size in zip(x.stride(), x.shape, strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+    return offsets.unique().numel() < x.numel()
+
+
+def check_inplace(x: torch.Tensor, name: str) -> None:
+    """In place needs each element of ``x`` stored once (torch refuses the same for its own ops)."""
+    if not torch.compiler.is_compiling() and overlaps_itself(x):
+        raise ValueError(
+            f"{name} has elements that share memory (an expand or as_strided view of shape {tuple(x.shape)} and "
+            f"strides {x.stride()}); in-place rotation needs each element stored once: pass {name}.clone() or "
+            "use inplace=False"
+        )
+
+
+def check_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Check the tables against ``x``: ``(..., rotary_dim // 2)`` broadcasting against ``x.shape[:-1]``."""
+    check_float_tensor(cos, "cos")
+    check_float_tensor(sin, "sin")
+    table_shape, x_shape = cos.shape, x.shape
+    if table_shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape, got {tuple(table_shape)} and {tuple(sin.shape)}")
+    ndim, x_ndim = len(table_shape), len(x_shape)
+    if ndim == 0:
+        raise ValueError("cos must have at least one dimension (rotary_dim // 2,), got a scalar")
+    if ndim > x_ndim:
+        raise ValueError(
+            f"cos has {ndim} dimensions, more than x ({x_ndim}): tables must broadcast against x; "
+            f"got cos {tuple(table_shape)} and x {tuple(x_shape)}"
+        )
+    too_wide = full_width_message(table_shape[-1], x_shape[-1])
+    if too_wide is not None:
+        raise ValueError(f"x has {x_shape[-1]} channels in its last dimension, fewer than rotary_dim = 2 * "
+                         f"cos.shape[-1] = {2 * table_shape[-1]}: {too_wide}")
+    lead = x_ndim - ndim
+    for axis in range(ndim - 1):
+        t, n = table_shape[axis], x_shape[lead + axis]
+        if t != 1 and t != n:
+            raise ValueError(
+                f"cos/sin of shape {tuple(table_shape)} do not broadcast against x of shape {tuple(x_shape)} "
+                f"(axis {lead + axis}: {t} vs {n})"
+            )
+    if not (cos.is_cpu and x.is_cpu) and cos.device != x.device:
+        raise ValueError(f"cos is on {cos.device} but x is on {x.device}")

@@ -1,7 +1,9 @@
 """Map a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict onto a scaling rule.
 
 The rules themselves are frozen dataclasses of :mod:`ropekit.rope.scaling` (public as
-:mod:`ropekit.scaling`); dicts are parsed here, in the config layer, and nowhere below it.
+:mod:`ropekit.scaling`), each registered under its ``rope_type``. A dict is checked here, in the
+config layer (its type, its ``rope_type``, keys that no rule reads, the model's length); the rule
+class's ``from_config`` then picks the values of the keys it declared.
 """
 
 from __future__ import annotations
@@ -10,44 +12,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..rope.frequencies import inv_frequencies as _rule_inv_frequencies
-from ..rope.scaling.basic import NTK, DynamicNTK, Linear, Proportional
-from ..rope.scaling.llama3 import Llama3
 from ..rope.scaling.longrope import LongRoPE
-from ..rope.scaling.yarn import YaRN
+from ..rope.scaling.registry import RuleKeys, canonical_rope_type, known_rope_types, rule_class
 from ..validation import check_length
 
 #: ``rope_type`` values that mean plain RoPE frequencies. ``mrope`` has the plain ladder too; its axis map
 #: (``mrope_section``, ``mrope_interleaved``) is read by ``RopeConfig.from_hf`` (:mod:`.multimodal`), not here.
 PLAIN_ROPE_TYPES = ("default", "mrope")
-#: Old names still found in published configs.
-ALIASES = {"su": "longrope"}
 #: Keys any rope dict may carry: identification, the base, partial rotary and multimodal metadata.
 METADATA_KEYS = frozenset(
     {"rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved", "finetuned"}
 )
-#: The parameter keys each rule reads (beyond :data:`METADATA_KEYS`).
-RULE_KEYS: dict[str, frozenset[str]] = {
-    "linear": frozenset({"factor"}),
-    "ntk": frozenset({"factor"}),
-    "dynamic": frozenset({"factor"}),
-    "yarn": frozenset(
-        {
-            "factor",
-            "original_max_position_embeddings",
-            "beta_fast",
-            "beta_slow",
-            "mscale",
-            "mscale_all_dim",
-            "attention_factor",
-            "truncate",
-        }
-    ),
-    "longrope": frozenset(
-        {"short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"}
-    ),
-    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
-    "proportional": frozenset({"factor"}),
-}
+#: The parameter keys each registered rule reads (beyond :data:`METADATA_KEYS`): a live view of the
+#: registry of :mod:`ropekit.rope.scaling`, where each rule class declares its ``config_keys``.
+RULE_KEYS = RuleKeys()
 
 
 def rope_type_of(params: Mapping[str, Any]) -> str:
@@ -64,82 +42,10 @@ def rope_type_of(params: Mapping[str, Any]) -> str:
         return "default"
     if not isinstance(kind, str):
         raise ValueError(f"rope_type must be a string, got {kind!r}")
-    kind = ALIASES.get(kind, kind)
+    kind = canonical_rope_type(kind)
     if kind == "yarn" and "short_factor" in params and "long_factor" in params:
         return "longrope"
     return kind
-
-
-def _get(params: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    value = params.get(key)
-    return default if value is None else value
-
-
-def _required(kind: str, params: Mapping[str, Any], key: str) -> Any:
-    value = params.get(key)
-    if value is None:
-        raise ValueError(f"{kind} scaling needs {key!r} in the rope parameters, got {dict(params)!r}")
-    return value
-
-
-def _original_length(kind: str, params: Mapping[str, Any], max_position_embeddings: int | None) -> int:
-    """``original_max_position_embeddings``, defaulting to ``max_position_embeddings`` as Hugging Face does."""
-    value = _get(params, "original_max_position_embeddings", max_position_embeddings)
-    if value is None:
-        raise ValueError(
-            f"{kind} scaling needs 'original_max_position_embeddings' in the rope parameters (or "
-            f"max_position_embeddings to default it to), got {dict(params)!r}"
-        )
-    return value
-
-
-def _build(kind: str, params: Mapping[str, Any], max_positions: int | None) -> Any:
-    if kind == "linear":
-        return Linear(_required(kind, params, "factor"))
-    if kind == "ntk":
-        return NTK(_required(kind, params, "factor"))
-    if kind == "dynamic":
-        if max_positions is None:
-            raise ValueError(
-                "dynamic scaling needs max_position_embeddings (the length up to which the frequencies are "
-                "unchanged), got None"
-            )
-        return DynamicNTK(_required(kind, params, "factor"), max_positions)
-    if kind == "proportional":
-        return Proportional(_get(params, "partial_rotary_factor", 1.0), _get(params, "factor", 1.0))
-    if kind == "llama3":
-        return Llama3(
-            _required(kind, params, "factor"),
-            _required(kind, params, "low_freq_factor"),
-            _required(kind, params, "high_freq_factor"),
-            _original_length(kind, params, max_positions),
-        )
-    original = _original_length(kind, params, max_positions)
-    factor = params.get("factor")
-    if factor is None and max_positions is not None:
-        factor = max_positions / check_length(kind, "original_max_position_embeddings", original)
-    if kind == "yarn":
-        if factor is None:
-            raise ValueError(
-                f"yarn scaling needs 'factor' (or max_position_embeddings to derive it from), got {dict(params)!r}"
-            )
-        return YaRN(
-            factor,
-            original,
-            beta_fast=_get(params, "beta_fast", 32.0),
-            beta_slow=_get(params, "beta_slow", 1.0),
-            mscale=params.get("mscale"),
-            mscale_all_dim=params.get("mscale_all_dim"),
-            attention_factor=params.get("attention_factor"),
-            truncate=_get(params, "truncate", True),
-        )
-    return LongRoPE(
-        _required(kind, params, "short_factor"),
-        _required(kind, params, "long_factor"),
-        original,
-        factor=factor,
-        attention_factor=params.get("attention_factor"),
-    )
 
 
 def rule_from_dict(
@@ -160,7 +66,8 @@ def rule_from_dict(
         rotary_dim: if given, LongRoPE's factor lists are checked against ``rotary_dim // 2``.
 
     Returns:
-        A rule from :mod:`ropekit.scaling`.
+        An instance of the rule class registered under the dict's ``rope_type`` (see
+        :func:`ropekit.scaling.register_rule`): its ``from_config`` reads the keys it declared.
 
     Raises:
         ValueError: the rope type is plain RoPE (``"default"``, ``"mrope"``: pass ``scaling=None``)
@@ -173,16 +80,18 @@ def rule_from_dict(
     kind = rope_type_of(params)
     if kind in PLAIN_ROPE_TYPES:
         raise ValueError(f"rope_type {kind!r} has no scaling rule (plain RoPE frequencies); pass scaling=None")
-    if kind not in RULE_KEYS:
+    try:
+        cls = rule_class(kind)
+    except ValueError:
         key = "rope_type" if params.get("rope_type") is not None else "type"
-        raise ValueError(f"unknown {key} {kind!r}; known: {sorted(RULE_KEYS) + sorted(ALIASES)}")
-    unknown = sorted(set(params) - RULE_KEYS[kind] - METADATA_KEYS)
+        raise ValueError(f"unknown {key} {kind!r}; known: {known_rope_types()}") from None
+    unknown = sorted(set(params) - cls.config_keys - METADATA_KEYS)
     if unknown:
         found = ", ".join(f"{key!r}={params[key]!r}" for key in unknown)
-        raise ValueError(f"{kind} scaling does not take {found}; it reads {sorted(RULE_KEYS[kind])}")
+        raise ValueError(f"{kind} scaling does not take {found}; it reads {sorted(cls.config_keys)}")
     if max_position_embeddings is not None:
         max_position_embeddings = check_length(kind, "max_position_embeddings", max_position_embeddings)
-    rule = _build(kind, params, max_position_embeddings)
+    rule = cls.from_config(params, max_position_embeddings)
     if rotary_dim is not None and isinstance(rule, LongRoPE) and len(rule.short_factor) != rotary_dim // 2:
         raise ValueError(
             f"longrope: short_factor and long_factor have {len(rule.short_factor)} entries, rotary_dim={rotary_dim} "

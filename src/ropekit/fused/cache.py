@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..functional import _check_tables
 from ..ops import operators_fused, prepared, prepared_keys
 from ..ops.dispatch import check_runs, resolve
 from ..ops.dispatch import get as get_backend
@@ -31,6 +30,7 @@ from ..validation import (
     check_norm,
     check_norm_weight,
     check_positive_float,
+    check_tables,
 )
 
 _INT64_END = 2**63  # slots are int64: every slot is below this
@@ -182,7 +182,7 @@ def rotate_into_cache(
                          "normalise the keys, or leave them at their defaults")
     if k_weight is None and weight_offset != 0.0:
         raise ValueError(f"k_weight is None but weight_offset={weight_offset!r} is not 0")
-    _check_tables(k, cos, sin)
+    check_tables(k, cos, sin)
     check_not_shared({"k_cache": k_cache, "v_cache": v_cache},
                      {"k": k, "v": v, "cos": cos, "sin": sin, "slots": slots, "k_weight": k_weight},
                      "rotate_into_cache")

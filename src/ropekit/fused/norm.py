@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..functional import _check_inplace, _check_tables
 from ..ops import operators_fused, prepared, prepared_keys
 from ..ops.dispatch import check_runs, resolve
 from ..ops.dispatch import get as get_backend
@@ -30,10 +29,12 @@ from ..ops.memory import check_not_shared
 from ..validation import (
     check_finite_float,
     check_float_tensor,
+    check_inplace,
     check_layout,
     check_norm,
     check_norm_weight,
     check_positive_float,
+    check_tables,
 )
 
 
@@ -141,14 +142,14 @@ def rms_norm_rotary_qk(
         raise ValueError(f"q is on {q.device} but k is on {k.device}")
     check_norm_weight(q_weight, q, per_token, "q_weight", "q")
     check_norm_weight(k_weight, k, per_token, "k_weight", "k")
-    _check_tables(q, cos, sin)
-    _check_tables(k, cos, sin)
+    check_tables(q, cos, sin)
+    check_tables(k, cos, sin)
     _check_grad({"q": q, "k": k, "q_weight": q_weight, "k_weight": k_weight}, cos, sin, inplace)
     if inplace:
         if q is k:
             raise ValueError("inplace=True needs distinct q and k tensors (the same tensor would be written twice)")
-        _check_inplace(q, "q")
-        _check_inplace(k, "k")
+        check_inplace(q, "q")
+        check_inplace(k, "k")
         check_not_shared({"q": q, "k": k}, {"q_weight": q_weight, "k_weight": k_weight, "cos": cos, "sin": sin},
                          "inplace=True")
     name = resolve(backend, q.device.type)
@@ -184,10 +185,10 @@ def rms_norm_rotary(
     eps, weight_offset, per_token = _check_options(eps, weight_offset, norm, layout, inplace, {"weight": weight})
     _check_rows(x, "x", per_token)
     check_norm_weight(weight, x, per_token, "weight", "x")
-    _check_tables(x, cos, sin)
+    check_tables(x, cos, sin)
     _check_grad({"x": x, "weight": weight}, cos, sin, inplace)
     if inplace:
-        _check_inplace(x, "x")
+        check_inplace(x, "x")
         check_not_shared({"x": x}, {"weight": weight, "cos": cos, "sin": sin}, "inplace=True")
     name = resolve(backend, x.device.type)
     check_runs(backend, name, {"x": x})

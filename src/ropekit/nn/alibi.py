@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..validation import check_hidden_states, check_positions, positive_int
-from .attention import _SDPA_HAS_GQA, HeadedAttention, attention_bias_mask
+from .attention import SDPA_HAS_GQA, HeadedAttention, attention_bias_mask
 from .kv_cache import KVCache
 
 
@@ -162,10 +162,10 @@ class ALiBiSelfAttention(HeadedAttention):
         if cache is not None:
             k, v = cache.update(k, v)
         dropout_p = self.dropout if self.training else 0.0
-        if self.num_kv_heads != self.num_heads and not _SDPA_HAS_GQA:
+        if self.num_kv_heads != self.num_heads and not SDPA_HAS_GQA:
             group = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        gqa = {"enable_gqa": True} if self.num_kv_heads != self.num_heads and _SDPA_HAS_GQA else {}
+        gqa = {"enable_gqa": True} if self.num_kv_heads != self.num_heads and SDPA_HAS_GQA else {}
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, **gqa)
         if no_key is not None:
             out = out.masked_fill(no_key, 0.0)

@@ -26,7 +26,7 @@ from .protocol import RotaryModule, check_rotary_module
 from .rotary import RotaryEmbedding
 
 # ``enable_gqa`` appeared in torch 2.5; older versions get k/v repeated per query head.
-_SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
 def build_rope(
@@ -207,7 +207,7 @@ class RotarySelfAttention(HeadedAttention):
         dropout_p = self.dropout if self.training else 0.0
         if self.num_kv_heads == self.num_heads:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-        if _SDPA_HAS_GQA:
+        if SDPA_HAS_GQA:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True
             )

@@ -27,6 +27,7 @@ import torch
 from ..validation import check_context
 from .analysis_axes import axis_summary
 from .frequencies import base_inv_freq
+from .scaling.registry import rope_type_of_rule
 
 #: Positions scanned exactly by the base-bound search; longer contexts are subsampled.
 EXACT_POSITIONS = 1 << 20
@@ -218,21 +219,13 @@ def pair_regimes(rule: Any, rotary_dim: int, base: float) -> list[str] | None:
 
 #: Context assumed for a config that does not say (no ``max_position_embeddings``).
 DEFAULT_CONTEXT = 4096
-#: Hugging Face ``rope_type`` of each ropekit rule class.
-RULE_TYPES = {
-    "Linear": "linear",
-    "NTK": "ntk",
-    "DynamicNTK": "dynamic",
-    "YaRN": "yarn",
-    "Llama3": "llama3",
-    "LongRoPE": "longrope",
-    "Proportional": "proportional",
-}
-
-
 def rope_type(rule: Any) -> str:
-    """The Hugging Face ``rope_type`` name of a rule (``"default"`` for ``None``)."""
-    return "default" if rule is None else RULE_TYPES.get(type(rule).__name__, type(rule).__name__)
+    """The ``rope_type`` a rule's class is registered under (``"default"`` for ``None``).
+
+    Raises:
+        ValueError: the rule's class is not registered (:func:`ropekit.scaling.register_rule`).
+    """
+    return rope_type_of_rule(rule)
 
 
 def rule_parameters(rule: Any) -> dict[str, Any]:

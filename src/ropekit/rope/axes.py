@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..validation import check_axis_positions, check_even_positive, check_positive_float
-from .frequencies import _NO_FLOAT64, base_inv_freq
+from .frequencies import NO_FLOAT64, base_inv_freq
 
 #: Axis names given to a plan built without names, by number of axes.
 DEFAULT_AXIS_NAMES = {1: ("position",), 2: ("h", "w"), 3: ("t", "h", "w")}
@@ -207,7 +207,7 @@ class AxisPlan:
         """
         check_axis_positions(positions, self.n_axes)
         device = positions.device
-        work = device if device.type not in _NO_FLOAT64 else torch.device("cpu")
+        work = device if device.type not in NO_FLOAT64 else torch.device("cpu")
         pos = positions.to(work, torch.float64)
         return pos.index_select(-1, self.axis.to(work)) * self.inv_freq.to(work)
 

@@ -18,7 +18,7 @@ import torch
 
 from ..validation import check_even_positive, check_positions, check_positive_float
 
-_NO_FLOAT64 = ("mps",)  # device types without float64 tensors
+NO_FLOAT64 = ("mps",)  # device types without float64 tensors
 
 
 def base_inv_freq(rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
@@ -98,7 +98,7 @@ def rotation_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Te
     if inv_freq.dim() != 1:
         raise ValueError(f"inv_freq must be 1-D (rotary_dim // 2,), got shape {tuple(inv_freq.shape)}")
     device = positions.device
-    work = device if device.type not in _NO_FLOAT64 else torch.device("cpu")
+    work = device if device.type not in NO_FLOAT64 else torch.device("cpu")
     return positions.to(work, torch.float64).unsqueeze(-1) * inv_freq.to(work, torch.float64)
 
 

@@ -144,7 +144,8 @@ def _resize_scales(dims: tuple[int, ...], kind: str, trained_shape: Any, resize:
     return tuple(t / n for t, n in zip(trained, dims, strict=True))
 
 
-def _grids(grid_thw: Any, name: str = "grid_thw") -> list[tuple[int, int, int]]:
+def axis_grids(grid_thw: Any, name: str = "grid_thw") -> list[tuple[int, int, int]]:
+    """``grid_thw`` (a tensor or a sequence of ``(t, h, w)`` rows) as checked tuples of positive ints."""
     rows = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
         raise TypeError(f"{name} must be a (n, 3) integer tensor or a list of (t, h, w), got {type(grid_thw).__name__}")
@@ -161,7 +162,8 @@ def _grids(grid_thw: Any, name: str = "grid_thw") -> list[tuple[int, int, int]]:
     return out
 
 
-def _merge(value: Any) -> int:
+def check_merge_size(value: Any) -> int:
+    """``spatial_merge_size``: a positive int."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"spatial_merge_size must be a positive int, got {value!r}")
     return value
@@ -179,9 +181,9 @@ def vision_patch_positions(grid_thw: Any, spatial_merge_size: int = 1) -> torch.
     Returns:
         int64 ``(sum t*h*w, 2)`` (equal to ``transformers.vision_utils.get_vision_position_ids``).
     """
-    m = _merge(spatial_merge_size)
+    m = check_merge_size(spatial_merge_size)
     out = []
-    for i, (t, h, w) in enumerate(_grids(grid_thw)):
+    for i, (t, h, w) in enumerate(axis_grids(grid_thw)):
         if h % m or w % m:
             raise ValueError(f"grid_thw[{i}] = {(t, h, w)}: h and w must be multiples of spatial_merge_size={m}")
         block_row, block_col, row, col = torch.meshgrid(
@@ -211,8 +213,8 @@ def vision_block_positions(
     Returns:
         int64 ``(t * h/m * w/m, 3)``, t-major: ``(start + int(i * time_step), start + r, start + c)``.
     """
-    ((t, h, w),) = _grids([list(grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw)])
-    m = _merge(spatial_merge_size)
+    ((t, h, w),) = axis_grids([list(grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw)])
+    m = check_merge_size(spatial_merge_size)
     if isinstance(start, bool) or not isinstance(start, int):
         raise ValueError(f"start must be an int, got {start!r}")
     frames = (torch.arange(t) * time_step).long() + start  # float32 arithmetic for a float step, truncated

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .grids import _grids, _merge, vision_block_positions
+from .grids import axis_grids, check_merge_size, vision_block_positions
 
 #: Model types whose position rule :func:`mrope_position_ids` implements (and aliases of them).
 FAMILIES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
@@ -51,7 +51,7 @@ def _token_types(mm_token_type_ids: Any, attention_mask: Any) -> tuple[torch.Ten
 
 
 def _video_queue(family: str, video_grid_thw: Any, tokens_per_second: Any, second_per_grid_ts: Any) -> list:
-    videos = _grids(video_grid_thw, "video_grid_thw") if video_grid_thw is not None else []
+    videos = axis_grids(video_grid_thw, "video_grid_thw") if video_grid_thw is not None else []
     if family == "qwen3_vl":
         return [((1, h, w), 1) for (t, h, w) in videos for _ in range(t)]
     if family == "qwen2_vl" or not videos:
@@ -97,9 +97,10 @@ def mrope_position_ids(
     """
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
-    family, m = FAMILIES[family], _merge(spatial_merge_size)
+    family, m = FAMILIES[family], check_merge_size(spatial_merge_size)
     types, mask = _token_types(mm_token_type_ids, attention_mask)
-    images = [(grid, 1) for grid in (_grids(image_grid_thw, "image_grid_thw") if image_grid_thw is not None else [])]
+    image_grids = axis_grids(image_grid_thw, "image_grid_thw") if image_grid_thw is not None else []
+    images = [(grid, 1) for grid in image_grids]
     queues = {IMAGE: iter(images), VIDEO: iter(_video_queue(family, video_grid_thw, tokens_per_second,
                                                                 second_per_grid_ts))}
     used = {IMAGE: 0, VIDEO: 0}

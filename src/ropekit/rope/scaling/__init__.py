@@ -17,26 +17,33 @@ exactly where Hugging Face applies ``attention_scaling``.
 - :class:`LongRoPE` (``longrope``, formerly ``su``): Ding et al. 2024, arXiv:2402.13753.
 - :class:`Proportional` (``proportional``): p-RoPE, Barbero et al. 2024, arXiv:2410.06205.
 
+Each rule class declares its ``rope_type`` (and ``aliases``), the ``config_keys`` it reads and a
+``from_config`` classmethod, and enters the one registry with the :func:`register_rule` decorator
+(:mod:`.registry`); a new rule is that one class and nothing else.
+
 ``ropekit.config.rules.rule_from_dict`` maps a ``config.json`` rope dict onto these (dicts are parsed
 in :mod:`ropekit.config` only); see ``docs/scaling.md``. The public namespace is :mod:`ropekit.scaling`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
 from .basic import NTK, DynamicNTK, Linear, Proportional, ntk_base
 from .llama3 import Llama3
 from .longrope import LongRoPE
+from .registry import RULES, RuleKeys, known_rope_types, register_rule, rope_type_of_rule, rule_class
 from .yarn import YaRN, yarn_mscale
 
 
 class ScalingRule(Protocol):
-    """What :func:`ropekit.inv_frequencies` needs from a scaling rule."""
+    """What :func:`ropekit.inv_frequencies` needs from a scaling rule (and the registry from its class)."""
 
     dynamic: bool
+    rope_type: ClassVar[str]
+    config_keys: ClassVar[frozenset[str]]
 
     def compute(self, rotary_dim: int, base: float, seq_len: int | None) -> tuple[torch.Tensor, float]:
         """Return ``(inv_freq, attention_scale)`` for these parameters."""
@@ -49,9 +56,15 @@ __all__ = [
     "Linear",
     "Llama3",
     "LongRoPE",
+    "RULES",
     "Proportional",
+    "RuleKeys",
     "ScalingRule",
     "YaRN",
+    "known_rope_types",
     "ntk_base",
+    "register_rule",
+    "rope_type_of_rule",
+    "rule_class",
     "yarn_mscale",
 ]

@@ -6,13 +6,15 @@ is float64 of shape ``(rotary_dim // 2,)`` and ``attention_scale`` is 1 for all 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from ...validation import check_factor, check_length, check_number, check_optional_length
 from ..frequencies import base_inv_freq
+from .registry import register_rule, required, value
 
 
 def _set(rule: object, name: str, value: object) -> None:
@@ -32,6 +34,7 @@ def ntk_base(base: float, rotary_dim: int, alpha: float) -> float:
     return base * alpha ** (rotary_dim / (rotary_dim - 2))
 
 
+@register_rule
 @dataclass(frozen=True)
 class Linear:
     """Position interpolation (PI): Chen et al. 2023, arXiv:2306.15595.
@@ -46,15 +49,23 @@ class Linear:
 
     factor: float
     dynamic: ClassVar[bool] = False
+    rope_type: ClassVar[str] = "linear"
+    config_keys: ClassVar[frozenset[str]] = frozenset({"factor"})
 
     def __post_init__(self) -> None:
         _set(self, "factor", check_factor("Linear", self.factor))
+
+    @classmethod
+    def from_config(cls, params: Mapping[str, Any], max_positions: int | None) -> Linear:
+        """The rule of a ``{"rope_type": "linear", "factor": s}`` dict."""
+        return cls(required(cls.rope_type, params, "factor"))
 
     def compute(self, rotary_dim: int, base: float, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         """``inv_freq = base_inv_freq / factor``, attention scale 1."""
         return base_inv_freq(rotary_dim, base) / self.factor, 1.0
 
 
+@register_rule
 @dataclass(frozen=True)
 class NTK:
     """NTK-aware scaled RoPE: bloc97 2023 (r/LocalLLaMA, "NTK-Aware Scaled RoPE").
@@ -69,15 +80,23 @@ class NTK:
 
     factor: float
     dynamic: ClassVar[bool] = False
+    rope_type: ClassVar[str] = "ntk"
+    config_keys: ClassVar[frozenset[str]] = frozenset({"factor"})
 
     def __post_init__(self) -> None:
         _set(self, "factor", check_factor("NTK", self.factor))
+
+    @classmethod
+    def from_config(cls, params: Mapping[str, Any], max_positions: int | None) -> NTK:
+        """The rule of a ``{"rope_type": "ntk", "factor": alpha}`` dict."""
+        return cls(required(cls.rope_type, params, "factor"))
 
     def compute(self, rotary_dim: int, base: float, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         """Plain RoPE frequencies with the base ``b * factor ** (d / (d - 2))``."""
         return base_inv_freq(rotary_dim, ntk_base(base, rotary_dim, self.factor)), 1.0
 
 
+@register_rule
 @dataclass(frozen=True)
 class DynamicNTK:
     """Dynamic NTK scaling: emozilla 2023 (r/LocalLLaMA, "Dynamically Scaled RoPE").
@@ -108,6 +127,18 @@ class DynamicNTK:
     factor: float
     original_max_position_embeddings: int
     fixed_seq_len: int | None = None
+    rope_type: ClassVar[str] = "dynamic"
+    config_keys: ClassVar[frozenset[str]] = frozenset({"factor"})
+
+    @classmethod
+    def from_config(cls, params: Mapping[str, Any], max_positions: int | None) -> DynamicNTK:
+        """The rule of a ``{"rope_type": "dynamic", "factor": s}`` dict; ``L`` is ``max_position_embeddings``."""
+        if max_positions is None:
+            raise ValueError(
+                "dynamic scaling needs max_position_embeddings (the length up to which the frequencies are "
+                "unchanged), got None"
+            )
+        return cls(required(cls.rope_type, params, "factor"), max_positions)
 
     def __post_init__(self) -> None:
         _set(self, "factor", check_factor("DynamicNTK", self.factor))
@@ -130,6 +161,7 @@ class DynamicNTK:
         return base_inv_freq(rotary_dim, ntk_base(base, rotary_dim, alpha)), 1.0
 
 
+@register_rule
 @dataclass(frozen=True)
 class Proportional:
     """p-RoPE: Barbero et al. 2024, "Round and Round We Go!", arXiv:2410.06205 (Gemma 4).
@@ -150,6 +182,13 @@ class Proportional:
     partial_rotary_factor: float = 1.0
     factor: float = 1.0
     dynamic: ClassVar[bool] = False
+    rope_type: ClassVar[str] = "proportional"
+    config_keys: ClassVar[frozenset[str]] = frozenset({"factor"})
+
+    @classmethod
+    def from_config(cls, params: Mapping[str, Any], max_positions: int | None) -> Proportional:
+        """The rule of a ``{"rope_type": "proportional"}`` dict (with the metadata key ``partial_rotary_factor``)."""
+        return cls(value(params, "partial_rotary_factor", 1.0), value(params, "factor", 1.0))
 
     def __post_init__(self) -> None:
         share = check_number("Proportional", "partial_rotary_factor", self.partial_rotary_factor, low=0.0)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from ...validation import check_factor, check_length, check_number
 from ..frequencies import base_inv_freq
+from .registry import original_length, register_rule, required
 
 
+@register_rule
 @dataclass(frozen=True)
 class Llama3:
     """Llama 3.1 frequency scaling: Meta 2024, "The Llama 3 Herd of Models", arXiv:2407.21783.
@@ -40,6 +43,21 @@ class Llama3:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     dynamic: ClassVar[bool] = False
+    rope_type: ClassVar[str] = "llama3"
+    config_keys: ClassVar[frozenset[str]] = frozenset(
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    )
+
+    @classmethod
+    def from_config(cls, params: Mapping[str, Any], max_positions: int | None) -> Llama3:
+        """The rule of a ``"llama3"`` dict: the three factors are required, ``L`` defaults to the max length."""
+        name = cls.rope_type
+        return cls(
+            required(name, params, "factor"),
+            required(name, params, "low_freq_factor"),
+            required(name, params, "high_freq_factor"),
+            original_length(name, params, max_positions),
+        )
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

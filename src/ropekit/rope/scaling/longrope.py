@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from ...validation import check_factor, check_factor_list, check_length, check_optional_length, check_optional_number
 from ..frequencies import base_inv_freq
+from .registry import extension_factor, original_length, register_rule, required
 
 
+@register_rule
 @dataclass(frozen=True)
 class LongRoPE:
     """LongRoPE: Ding et al. 2024, arXiv:2402.13753 (Phi-3 / Phi-3.5 / Phi-4-mini "longrope", ex "su").
@@ -48,6 +52,24 @@ class LongRoPE:
     factor: float | None = None
     attention_factor: float | None = None
     fixed_seq_len: int | None = None
+    rope_type: ClassVar[str] = "longrope"
+    aliases: ClassVar[tuple[str, ...]] = ("su",)
+    config_keys: ClassVar[frozenset[str]] = frozenset(
+        {"short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"}
+    )
+
+    @classmethod
+    def from_config(cls, params: Mapping[str, Any], max_positions: int | None) -> LongRoPE:
+        """The rule of a ``"longrope"`` dict; a missing ``factor`` is ``max / original`` as in Hugging Face."""
+        name = cls.rope_type
+        original = original_length(name, params, max_positions)
+        return cls(
+            required(name, params, "short_factor"),
+            required(name, params, "long_factor"),
+            original,
+            factor=extension_factor(name, params, original, max_positions),
+            attention_factor=params.get("attention_factor"),
+        )
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from ...validation import check_base_above_one, check_factor, check_length, check_number, check_optional_number
 from ..frequencies import base_inv_freq
+from .registry import extension_factor, original_length, register_rule, value
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -27,6 +29,7 @@ def correction_dim(rotations: float, rotary_dim: int, base: float, length: int) 
     return rotary_dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
+@register_rule
 @dataclass(frozen=True)
 class YaRN:
     """YaRN: Peng et al. 2023, "YaRN: Efficient Context Window Extension", arXiv:2309.00071.
@@ -70,6 +73,39 @@ class YaRN:
     attention_factor: float | None = None
     truncate: bool = True
     dynamic: ClassVar[bool] = False
+    rope_type: ClassVar[str] = "yarn"
+    config_keys: ClassVar[frozenset[str]] = frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "attention_factor",
+            "truncate",
+        }
+    )
+
+    @classmethod
+    def from_config(cls, params: Mapping[str, Any], max_positions: int | None) -> YaRN:
+        """The rule of a ``"yarn"`` dict; a missing ``factor`` is ``max / original`` as in Hugging Face."""
+        original = original_length(cls.rope_type, params, max_positions)
+        factor = extension_factor(cls.rope_type, params, original, max_positions)
+        if factor is None:
+            raise ValueError(
+                f"yarn scaling needs 'factor' (or max_position_embeddings to derive it from), got {dict(params)!r}"
+            )
+        return cls(
+            factor,
+            original,
+            beta_fast=value(params, "beta_fast", 32.0),
+            beta_slow=value(params, "beta_slow", 1.0),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+            attention_factor=params.get("attention_factor"),
+            truncate=value(params, "truncate", True),
+        )
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
