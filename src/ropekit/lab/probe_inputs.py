@@ -128,7 +128,7 @@ def _check_count(claimed: Any, indices: set[int], key: str, option: str, shown: 
 
 
 def check_layer_count(config: Any, shapes: dict[str, tuple[int, ...]], option: str, shown: str) -> None:
-    """The config's ``num_hidden_layers`` equals the number of layer indices (``layers.{i}.``, ``h.{i}.``) in the weights."""
+    """The config's ``num_hidden_layers`` equals the layer indices (``layers.{i}.``, ``h.{i}.``) in the weights."""
     _check_count(getattr(config, "num_hidden_layers", None), _layer_indices(shapes, _HF_LAYER),
                  "num_hidden_layers", option, shown)
 
