@@ -260,7 +260,7 @@ def test_out_of_range_positions_are_caught_before_launch(launches):
         (dict(positions=torch.arange(5)), ValueError),
         (dict(offsets=torch.tensor([1, 2, 3])), ValueError),
         (dict(cu_seqlens=torch.tensor([0, 6], dtype=torch.int32)), ValueError),
-        (dict(layout="rotate_half"), ValueError),
+        (dict(layout="spiral"), ValueError),
         (dict(q="same", inplace=True), ValueError),
     ],
 )

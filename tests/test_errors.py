@@ -191,9 +191,9 @@ def test_unknown_layout():
     with pytest.raises(ValueError, match="layout"):
         rotation_matrix(0, base_inv_freq(4), layout="spiral")
     with pytest.raises(ValueError, match="src"):
-        permute_qk_weight(torch.randn(8, 2), 1, src="complex", dst="half")
+        permute_qk_weight(torch.randn(8, 2), 1, src="spiral", dst="half")
     with pytest.raises(ValueError, match="dst"):
-        permute_qk_weight(torch.randn(8, 2), 1, src="half", dst="complex")
+        permute_qk_weight(torch.randn(8, 2), 1, src="half", dst="spiral")
 
 
 def test_unknown_backend():
