@@ -13,12 +13,13 @@ from ..rope.axes import AxisPlan, mrope, single_axis
 from ..rope.scaling import DynamicNTK, LongRoPE, Proportional
 from ..validation import check_even_positive, check_layout, check_length, check_positive_float
 from .diffusers import diffusers_rope
+from .families import model_types_where
 from .multimodal import mrope_layout, multi_axis_keys
 from .rules import METADATA_KEYS, PLAIN_ROPE_TYPES, RULE_KEYS, inv_frequencies, rope_type_of, rule_from_dict
 
 #: Model types whose Hugging Face checkpoints pair channels ``(2i, 2i+1)`` (complex / interleaved
 #: apply). ``rope_interleave`` in a config overrides this table either way.
-INTERLEAVED_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "llama4", "llama4_text", "gptj", "codegen"})
+INTERLEAVED_MODEL_TYPES = model_types_where(layout="interleaved")  # rows of :mod:`.families`
 #: Older names of the keys from_hf reads.
 _ALIASES = {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_positions": "max_position_embeddings"}
 #: ``rotary_pct`` of configs that leave it out (Hugging Face's GPTNeoXConfig default).
