@@ -20,10 +20,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .families import mrope_sections
+
 #: Model types with contiguous M-RoPE sections, and their default ``mrope_section``.
-CONTIGUOUS_MROPE = {name: (16, 24, 24) for name in ("qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text")}
+CONTIGUOUS_MROPE = mrope_sections("contiguous")  # rows of :mod:`.families`
 #: Model types with interleaved M-RoPE, and their default ``mrope_section``.
-INTERLEAVED_MROPE = {name: (24, 20, 20) for name in ("qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text")}
+INTERLEAVED_MROPE = mrope_sections("interleaved")
 #: Keys of a rope dict that describe the axes (not the frequencies).
 MULTI_AXIS_KEYS = ("mrope_section", "mrope_interleaved")
 #: Why some known multi-axis families are refused.

@@ -13,14 +13,13 @@ from ..rope.axes import AxisPlan, mrope, single_axis
 from ..rope.scaling import DynamicNTK, LongRoPE, Proportional
 from ..validation import check_even_positive, check_layout, check_length, check_positive_float
 from .diffusers import diffusers_rope
+from .families import model_types_where
 from .multimodal import mrope_layout, multi_axis_keys
-from .rules import METADATA_KEYS, PLAIN_ROPE_TYPES, inv_frequencies, rope_type_of, rule_from_dict
+from .rules import METADATA_KEYS, PLAIN_ROPE_TYPES, RULE_KEYS, inv_frequencies, rope_type_of, rule_from_dict
 
 #: Model types whose Hugging Face checkpoints pair channels ``(2i, 2i+1)`` (complex / interleaved
 #: apply). ``rope_interleave`` in a config overrides this table either way.
-INTERLEAVED_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "llama4", "llama4_text", "gptj", "codegen"})
-#: Rope types whose ``original_max_position_embeddings`` a top-level key overrides (Phi-3), as in Hugging Face.
-_ORIGINAL_LENGTH_TYPES = ("yarn", "llama3", "longrope")
+INTERLEAVED_MODEL_TYPES = model_types_where(layout="interleaved")  # rows of :mod:`.families`
 #: Older names of the keys from_hf reads.
 _ALIASES = {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_positions": "max_position_embeddings"}
 #: ``rotary_pct`` of configs that leave it out (Hugging Face's GPTNeoXConfig default).
@@ -165,8 +164,9 @@ class RopeConfig:
         if params.get("partial_rotary_factor") is None and cfg.get("partial_rotary_factor") is not None:
             params["partial_rotary_factor"] = cfg["partial_rotary_factor"]  # as Hugging Face standardizes it
         top_original = cfg.get("original_max_position_embeddings")
-        if top_original is not None and kind in _ORIGINAL_LENGTH_TYPES and not nested:
-            params["original_max_position_embeddings"] = top_original  # Phi-3: the top-level key wins
+        if top_original is not None and not nested and "original_max_position_embeddings" in RULE_KEYS.get(kind, ()):
+            # Phi-3: a top-level key wins for every rule that reads one, as in Hugging Face
+            params["original_max_position_embeddings"] = top_original
         scaling = None
         if kind not in PLAIN_ROPE_TYPES:
             scaling = rule_from_dict(params, max_position_embeddings=max_positions)

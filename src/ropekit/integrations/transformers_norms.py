@@ -23,16 +23,15 @@ from typing import Any
 
 import torch
 
+from ..config.families import attention_classes, norm_offsets
 from ..fused import rms_norm_rotary
 
 # attention classes whose forward goes norm -> (view, transpose) -> apply_rotary_pos_emb -> cache update
-FUSABLE_ATTENTION = frozenset({"Qwen3Attention", "Qwen3MoeAttention", "Gemma3Attention", "Olmo2Attention",
-                               "Olmo3Attention"})
+FUSABLE_ATTENTION = attention_classes(fusable=True)  # rows of ropekit.config.families
 # attention classes that pass the key apply_rotary_pos_emb returns straight to past_key_values.update
-KEY_INTO_CACHE_ATTENTION = FUSABLE_ATTENTION | {"LlamaAttention", "MistralAttention", "Qwen2Attention"}
+KEY_INTO_CACHE_ATTENTION = attention_classes(key_into_cache=True)
 # norm class -> weight_offset (the gains are weight_offset + weight)
-NORM_FORMS = {"Qwen3RMSNorm": 0.0, "Qwen3MoeRMSNorm": 0.0, "Olmo2RMSNorm": 0.0, "Olmo3RMSNorm": 0.0,
-              "Gemma3RMSNorm": 1.0}
+NORM_FORMS = norm_offsets()
 
 
 @dataclass(frozen=True)

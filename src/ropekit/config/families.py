@@ -1,0 +1,87 @@
+"""The one table of model families: what ropekit knows of each ``transformers`` architecture.
+
+A row is data (class names as strings, nothing imported): the ``model_type`` values of the family,
+its default pairing, its multi-axis position rule, and for the transformers patch its attention
+class, the class of its q/k norms with their ``weight_offset`` (gains ``weight_offset + weight``)
+and whether its attention hands the rotated key straight to the cache. The config layer
+(:mod:`.rope_config`, :mod:`.multimodal`) and the patch (``integrations/transformers*``) read only
+the views derived here; a new family is one row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    Attributes:
+        name: the family's name (for messages and docs).
+        model_types: ``config.json`` ``model_type`` values of the family.
+        layout: default pairing, ``"half"`` or ``"interleaved"`` (``rope_interleave`` overrides it).
+        mrope: ``None`` (1-D RoPE), ``"contiguous"`` or ``"interleaved"`` M-RoPE sections.
+        mrope_section: the default ``mrope_section`` of an M-RoPE family.
+        attention: the attention class name(s) the patch knows.
+        norm: the class name of the q/k RMSNorm, ``None`` without q/k norms.
+        norm_offset: the norm's ``weight_offset``.
+        fusable: whether the attention's data flow (norm, view, transpose, rotation, cache update)
+            was checked for the fused q/k norm + rotation.
+        key_into_cache: whether the attention passes the rotated key straight to ``past_key_values.update``.
+    """
+
+    name: str
+    model_types: tuple[str, ...] = ()
+    layout: str = "half"
+    mrope: str | None = None
+    mrope_section: tuple[int, ...] | None = None
+    attention: tuple[str, ...] = ()
+    norm: str | None = None
+    norm_offset: float = 0.0
+    fusable: bool = False
+    key_into_cache: bool = False
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("Llama", ("llama",), attention=("LlamaAttention",), key_into_cache=True),
+    Family("Mistral", ("mistral",), attention=("MistralAttention",), key_into_cache=True),
+    Family("Qwen2", ("qwen2",), attention=("Qwen2Attention",), key_into_cache=True),
+    Family("Qwen3", ("qwen3",), attention=("Qwen3Attention",), norm="Qwen3RMSNorm", fusable=True,
+           key_into_cache=True),
+    Family("Qwen3-MoE", ("qwen3_moe",), attention=("Qwen3MoeAttention",), norm="Qwen3MoeRMSNorm", fusable=True,
+           key_into_cache=True),
+    Family("Gemma 3", ("gemma3", "gemma3_text"), attention=("Gemma3Attention",), norm="Gemma3RMSNorm",
+           norm_offset=1.0, fusable=True, key_into_cache=True),
+    Family("OLMo 2", ("olmo2",), attention=("Olmo2Attention",), norm="Olmo2RMSNorm", fusable=True,
+           key_into_cache=True),
+    Family("OLMo 3", ("olmo3",), attention=("Olmo3Attention",), norm="Olmo3RMSNorm", fusable=True,
+           key_into_cache=True),
+    Family("DeepSeek-V2/V3", ("deepseek_v2", "deepseek_v3"), layout="interleaved"),
+    Family("Llama 4", ("llama4", "llama4_text"), layout="interleaved"),
+    Family("GPT-J / CodeGen", ("gptj", "codegen"), layout="interleaved"),
+    Family("Qwen2-VL / Qwen2.5-VL", ("qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text"),
+           mrope="contiguous", mrope_section=(16, 24, 24)),
+    Family("Qwen3-VL", ("qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text"),
+           mrope="interleaved", mrope_section=(24, 20, 20)),
+)
+
+
+def model_types_where(**match: object) -> frozenset[str]:
+    """The ``model_type`` values of the families whose fields equal ``match``."""
+    return frozenset(t for f in FAMILIES if all(getattr(f, k) == v for k, v in match.items()) for t in f.model_types)
+
+
+def mrope_sections(kind: str) -> dict[str, tuple[int, ...]]:
+    """``model_type -> default mrope_section`` for the families with ``kind`` (contiguous/interleaved) M-RoPE."""
+    return {t: f.mrope_section for f in FAMILIES if f.mrope == kind for t in f.model_types}
+
+
+def attention_classes(**match: object) -> frozenset[str]:
+    """The attention class names of the families whose fields equal ``match``."""
+    return frozenset(a for f in FAMILIES if all(getattr(f, k) == v for k, v in match.items()) for a in f.attention)
+
+
+def norm_offsets() -> dict[str, float]:
+    """``q/k norm class name -> weight_offset`` of the families with q/k norms."""
+    return {f.norm: f.norm_offset for f in FAMILIES if f.norm is not None}
