@@ -276,23 +276,21 @@ def checks_under(monkeypatch, replaced, mutation, checks):
         return checks()
 
 
-def test_xpos_comparisons_pass_the_module_as_it_is():
-    assert not any(xpos_checks().values())
+COMPARISONS = {"xpos": (xpos_checks, XPOS_MUTATIONS), "alibi": (alibi_checks, ALIBI_MUTATIONS)}
 
 
-@pytest.mark.parametrize("mutation", sorted(XPOS_MUTATIONS))
-def test_xpos_comparisons_detect_each_mutation(monkeypatch, mutation):
-    replaced, mutate_fn, expected = XPOS_MUTATIONS[mutation]
-    caught = checks_under(monkeypatch, replaced, mutate_fn, xpos_checks)
-    assert {name for name, failed in caught.items() if failed} == expected, caught
+@pytest.mark.parametrize("module", sorted(COMPARISONS))
+def test_comparisons_pass_the_module_as_it_is(module):
+    checks, _ = COMPARISONS[module]
+    assert not any(checks().values())
 
 
-def test_alibi_comparisons_pass_the_module_as_it_is():
-    assert not any(alibi_checks().values())
+CASES = [(module, name) for module, (_, table) in sorted(COMPARISONS.items()) for name in sorted(table)]
 
 
-@pytest.mark.parametrize("mutation", sorted(ALIBI_MUTATIONS))
-def test_alibi_comparisons_detect_each_mutation(monkeypatch, mutation):
-    replaced, mutate_fn, expected = ALIBI_MUTATIONS[mutation]
-    caught = checks_under(monkeypatch, replaced, mutate_fn, alibi_checks)
+@pytest.mark.parametrize(("module", "mutation"), CASES)
+def test_comparisons_detect_each_mutation(monkeypatch, module, mutation):
+    checks, table = COMPARISONS[module]
+    replaced, mutate_fn, expected = table[mutation]
+    caught = checks_under(monkeypatch, replaced, mutate_fn, checks)
     assert {name for name, failed in caught.items() if failed} == expected, caught

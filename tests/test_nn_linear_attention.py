@@ -320,7 +320,8 @@ def test_gradients_agree_on_every_backend(seq):
     reference.rope.backend = "torch"
     x = torch.randn(3, seq, 16)
     reference(x).square().sum().backward()
-    for backend in [b for b in ("cpu", "triton") if b in available]:
+    runs_here = [b for b in ("cpu", "triton") if b in available and ropekit.ops.get(b).cannot_run(x) is None]
+    for backend in runs_here:  # triton runs CPU tensors only under TRITON_INTERPRET=1
         module = RotaryLinearAttention(16, 2, causal=True, chunk_size=8)
         module.load_state_dict(reference.state_dict())
         module.rope.backend = backend

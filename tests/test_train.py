@@ -338,9 +338,9 @@ def test_progress_bar_ends_its_line_when_the_loop_is_interrupted():
 
 def test_extrapolate_checks_the_context_against_the_corpus_before_training(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "train_one", lambda *a, **k: pytest.fail("trained before checking --context"))
-    args = parse("extrapolate", "--quick", "--context", "20000", "--out", str(tmp_path), "--max-chars",
+    args = parse("extrapolate", "--quick", "--context", "4096", "--out", str(tmp_path), "--max-chars",
                  str(MAX_CHARS), "--threads", "1", "--no-progress")
-    with pytest.raises(ValueError, match="--context 20000: evaluating at 8x needs 160,001 validation characters"):
+    with pytest.raises(ValueError, match="--context 4096: evaluating at 8x needs 32,769 validation characters"):
         extrapolate.run(args)
 
 
