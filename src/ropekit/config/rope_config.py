@@ -14,6 +14,7 @@ from ..rope.scaling import DynamicNTK, LongRoPE, Proportional
 from ..validation import check_even_positive, check_layout, check_length, check_positive_float
 from .diffusers import diffusers_rope
 from .families import model_types_where
+from .layout_record import hf_layout, read_layout_record
 from .multimodal import mrope_layout, multi_axis_keys
 from .rules import METADATA_KEYS, PLAIN_ROPE_TYPES, RULE_KEYS, inv_frequencies, rope_type_of, rule_from_dict
 
@@ -143,14 +144,18 @@ class RopeConfig:
             config: a ``config.json`` dict or an object with ``to_dict()``.
             layer_type: which entry of per-layer-type rope parameters to read (e.g.
                 ``"full_attention"``, ``"sliding_attention"``); required when there are several.
-            layout: ``"half"`` or ``"interleaved"``; default ``"half"`` except for configs with
-                ``rope_interleave: true`` and the model types in :data:`INTERLEAVED_MODEL_TYPES`.
+            layout: ``"half"`` or ``"interleaved"``; default: the ``rope_layout`` a config written by
+                ``ropekit convert`` records (:mod:`.layout_record`), else ``"half"`` except for configs
+                with ``rope_interleave: true`` and the model types in :data:`INTERLEAVED_MODEL_TYPES`.
             fixed_seq_len: freeze a length-dependent rule (dynamic NTK, LongRoPE) at this length
                 so that a KV cache stays consistent; ignored for static rules.
 
         Raises:
             ValueError: missing or inconsistent keys; the message names the key and the value.
         """
+        if isinstance(config, Mapping):  # a config.json that ropekit convert recorded a layout in
+            config, recorded = read_layout_record(config)
+            layout = recorded if layout is None else layout
         cfg = _as_dict(config)
         if cfg.get("_class_name") is not None:  # a diffusers transformer config: axial RoPE
             kwargs = diffusers_rope(cfg)
@@ -322,7 +327,4 @@ def _rotary_dim(cfg: Mapping[str, Any], params: Mapping[str, Any], head_dim: int
 def _layout(cfg: Mapping[str, Any], layout: str | None) -> str:
     if layout is not None:
         return check_layout(layout)
-    interleave = cfg.get("rope_interleave")
-    if interleave is not None:
-        return "interleaved" if interleave else "half"
-    return "interleaved" if cfg.get("model_type") in INTERLEAVED_MODEL_TYPES else "half"
+    return hf_layout(cfg)
