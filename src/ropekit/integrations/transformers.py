@@ -25,6 +25,8 @@ models of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (multi-axis M-RoPE). :func:`patch`:
   (:mod:`.transformers_cache`).
 
 :func:`unpatch` removes the overrides; the model is then exactly as before (same outputs, bit for bit).
+:func:`load_converted` loads a directory written by ``ropekit convert`` whose q/k rows are in a
+layout transformers does not rotate in (plain ``from_pretrained`` refuses it) and patches it with that layout.
 Not thread-safe across concurrently running patched/unpatched models of the same family; where the
 modeling code carries transformers' kernel hooks, :func:`kernelize` plugs ropekit in through them
 instead, per model (see :mod:`.hub_kernels` and docs/models.md).
@@ -32,6 +34,7 @@ instead, per model (see :mod:`.hub_kernels` and docs/models.md).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 import types
@@ -45,6 +48,7 @@ from ..functional import apply_rotary, apply_rotary_qk
 from ..fused import rms_norm_rotary, rms_norm_rotary_qk
 from ..rope.axes import AxisPlan
 from ..rope.frequencies import cos_sin
+from ..validation import check_layout
 from . import transformers_norms as norms
 from .transformers_norms import Call, current
 
@@ -202,7 +206,8 @@ def _is_rotary(module: torch.nn.Module) -> bool:
     return bool(types_) and all(hasattr(module, f"{t}_inv_freq") for t in types_)
 
 
-def _frequencies(model: torch.nn.Module, rope: RopeConfig | None, rotary: list) -> tuple[dict, RopeConfig]:
+def _frequencies(model: torch.nn.Module, rope: RopeConfig | None, rotary: list,
+                 layout: str | None = None) -> tuple[dict, RopeConfig]:
     """``{layer_type or None: (inv_freq, attention_scale)}`` and the config checked against the model."""
     layer_types = sorted({t for m in rotary for t in (getattr(m, "layer_types", None) or ())})
     if not layer_types:
@@ -211,11 +216,11 @@ def _frequencies(model: torch.nn.Module, rope: RopeConfig | None, rotary: list) 
     first = own[layer_types[0]]
     own_axes = first.axes.n_axes if first.axes else 1
     if rope is None:
-        for cfg in own.values():
+        for cfg in own.values() if layout is None else ():
             if cfg.layout != "half":
                 # e.g. rope_interleave configs: their modeling code may rotate in its own way; be explicit
-                raise ValueError(f"{type(model).__name__}'s config implies layout {cfg.layout!r}; pass rope= with the "
-                                 "layout its q/k weights are stored in")
+                raise ValueError(f"{type(model).__name__}'s config implies layout {cfg.layout!r}; pass layout= (or "
+                                 "rope=) with the layout its q/k weights are stored in")
         chosen = own
     else:
         if not isinstance(rope, RopeConfig):
@@ -228,6 +233,9 @@ def _frequencies(model: torch.nn.Module, rope: RopeConfig | None, rotary: list) 
             raise ValueError(f"rope has {rope_axes} position axes but {type(model).__name__} has {own_axes} "
                              f"({first.axes!r}); pass a RopeConfig with a matching axis plan")
         chosen = {t: rope for t in layer_types}
+    if layout is not None:
+        layout = check_layout(layout)
+        chosen = {t: dataclasses.replace(cfg, layout=layout) for t, cfg in chosen.items()}
     for cfg in chosen.values():
         if getattr(cfg.scaling, "dynamic", False) and getattr(cfg.scaling, "fixed_seq_len", None) is None:
             raise ValueError("length-dependent scaling (dynamic NTK, LongRoPE) needs fixed_seq_len for a KV cache; "
@@ -256,8 +264,8 @@ def patchable_modules(model: torch.nn.Module) -> tuple[list[torch.nn.Module], li
     return rotary, attention
 
 
-def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: str = "auto",
-          fuse: bool = True, capture: Callable | None = None) -> torch.nn.Module:
+def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, layout: str | None = None,
+          backend: str = "auto", fuse: bool = True, capture: Callable | None = None) -> torch.nn.Module:
     """Compute ``model``'s RoPE with ropekit; returns ``model`` (patched in place).
 
     Args:
@@ -268,6 +276,10 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
             model's. Its ``layout`` is the pairing q/k are rotated with: ``"half"`` for Hugging Face
             weights; ``"interleaved"`` for a checkpoint whose q/k rows are in Meta / llama.cpp order
             (e.g. converted with ``ropekit convert --to interleaved``).
+        layout: the pairing q/k are rotated with, replacing ``rope``'s (or the model's own):
+            ``"interleaved"`` for q/k rows in Meta / llama.cpp order, e.g. the output of ``ropekit
+            convert --to interleaved`` (:func:`load_converted` loads such a directory and passes it);
+            default ``None``: ``rope``'s layout, or ``"half"`` for the model's own config.
         backend: ropekit backend for the rotation (``"auto"`` or a name from ``ropekit.ops.available()``).
         fuse: normalise q and k inside the rotation for the families with q/k norms (see the module
             docstring), and rotate keys into the slots of a :func:`static_cache`.
@@ -290,7 +302,7 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, backend: st
         raise TypeError(f"capture must be callable or None, got {type(capture).__name__}")
     fuse = fuse and capture is None
     rotary, attention = patchable_modules(model)
-    frequencies, rope = _frequencies(model, rope, rotary)
+    frequencies, rope = _frequencies(model, rope, rotary, layout)
     for m in rotary:
         if rope.axes is not None:
             m.forward = types.MethodType(_multi_axis_rotary_forward(rope.axis_plan()), m)
@@ -337,6 +349,41 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             del _INSTALLED[name]
     delattr(model, _STATE)
     return model
+
+
+def load_converted(path: Any, *, model_class: Any = None, backend: str = "auto", **kwargs: Any) -> torch.nn.Module:
+    """Load a model directory written by ``ropekit convert`` so that it computes right; returns the model.
+
+    A directory whose ``config.json`` records a layout (q/k rows in a layout transformers does not
+    rotate that model in, e.g. ``ropekit convert --to interleaved`` of a Llama; plain
+    ``from_pretrained`` refuses it) is built from the original config it keeps
+    (:func:`.transformers_load.converted_config`), its weights loaded as they are, and the model
+    patched with the recorded layout (:func:`patch` with ``layout=``; :func:`unpatch` would make it
+    compute wrong again). Any other directory is loaded by ``model_class.from_pretrained`` as it
+    is, unpatched.
+
+    Args:
+        path: the local output directory of ``ropekit convert``.
+        model_class: a transformers class with ``from_pretrained``; default ``AutoModelForCausalLM``.
+        backend: ropekit backend for the rotation (see :func:`patch`).
+        **kwargs: passed to ``from_pretrained`` (``dtype``, ``attn_implementation``, ...), not ``config``.
+
+    Raises:
+        ValueError: see :func:`.transformers_load.converted_config`, and :func:`patch`'s.
+        TypeError: ``config`` among ``kwargs``.
+    """
+    import transformers
+
+    from .transformers_load import converted_config
+
+    if "config" in kwargs:
+        raise TypeError("load_converted builds the config from path/config.json; do not pass config=")
+    model_class = transformers.AutoModelForCausalLM if model_class is None else model_class
+    config, layout = converted_config(path)
+    if layout is None:
+        return model_class.from_pretrained(path, **kwargs)
+    model = model_class.from_pretrained(path, config=config, **kwargs)
+    return patch(model, layout=layout, backend=backend)
 
 
 def static_cache(model: torch.nn.Module, max_cache_len: int, **kwargs: Any):
