@@ -12,8 +12,9 @@ Attention scores are unchanged because the permutation ``P`` is orthogonal and
 The head geometry and the source layout come from the checkpoint's own config and recorded
 metadata before the flags (:mod:`.source`); the q/k weights themselves are a second witness of
 the layout (:mod:`.pairing`): a conversion they say would scramble them is refused; outputs are
-written all-or-nothing (:mod:`.output`); ``--verify`` reads the written files back and checks
-them with the float64 rotation-matrix oracle (:mod:`.verify`).
+written all-or-nothing (:mod:`.output`), with a carried ``config.json`` that transformers refuses
+when it would rotate the written rows in the other layout (:mod:`.carried_config`); ``--verify``
+reads the written files back and checks them with the float64 rotation-matrix oracle (:mod:`.verify`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from ..rope.layouts import permute_qk_weight
 from ..rope.pairing import LayoutEvidence
 from ..validation import check_layout
+from .carried_config import rewrite_config
 from .output import plan_output, write_output
 from .pairing import check_layout_against_weights, detect_tensors_layout
 from .qk_tensors import K_PATTERN, Q_PATTERN, QKLayer, find_layers, fused_head_dim, join_fused, split_fused
@@ -58,7 +60,10 @@ class ConvertResult:
     geometry (else only the flags and tensor shapes did); ``carried``/``skipped``: the source
     directory's other files copied / left out; ``max_score_error``, ``problems`` and ``verified``
     from ``verify``; ``layout_evidence``: what the q/k weights say about their pairing (``None``
-    when not asked), ``layout_warning``: the contradiction a skipped check let through.
+    when not asked), ``layout_warning``: the contradiction a skipped check let through;
+    ``config_record``: ``"recorded"`` when the carried ``config.json`` was written with a layout record
+    (transformers refuses it; :mod:`.carried_config`), ``"restored"`` when it lost one (an ordinary
+    transformers config again), else ``None`` (copied as it was, or none carried).
     """
 
     converted: list[str] = field(default_factory=list)
@@ -75,6 +80,7 @@ class ConvertResult:
     verified: bool | None = None
     layout_evidence: LayoutEvidence | None = None
     layout_warning: str | None = None
+    config_record: str | None = None
 
 
 def _permute(name: str, w: torch.Tensor, heads: int, spec: HeadSpec, src: str, dst: str) -> torch.Tensor:
@@ -145,7 +151,9 @@ def convert_checkpoint(
     Args:
         src: a ``.safetensors`` / ``.bin`` / ``.pth`` file, an ``*.index.json`` or a directory.
         dst: a ``.safetensors`` file for a single-file input, else a directory (created if
-            missing) that receives the converted weights and the source directory's other files.
+            missing) that receives the converted weights and the source directory's other files
+            (a ``config.json`` with a layout record where transformers would rotate the written
+            rows in the other layout: ``from_pretrained`` refuses it, ``load_converted`` loads it).
         spec: the geometry the caller knows (the CLI's ``--heads`` ...); fields may be ``None``.
         dst_layout: ``"half"`` or ``"interleaved"``.
         src_layout: the layout of ``src`` if the caller knows it; by default it is read from the
@@ -188,10 +196,12 @@ def convert_checkpoint(
     warning = check_layout_against_weights(src_layout, layout_origin, dst_layout, evidence,
                                            skip=layout_check == "skip")
     plan = plan_output(ckpt, dst, force=force)
+    rewritten, config_record = rewrite_config(plan.carried, ckpt.directory, dst_layout) if plan.carried else ({}, None)
     result = ConvertResult(src_layout=src_layout, layout_origin=layout_origin, spec=spec,
                            geometry_origin=geometry_origin, carried=[p.name for p in plan.carried],
                            skipped=plan.skipped, layout_evidence=evidence, layout_warning=warning,
-                           geometry_pinned=any(s.kind != "given" and s.spec.n_heads for s in sources))
+                           geometry_pinned=any(s.kind != "given" and s.spec.n_heads for s in sources),
+                           config_record=config_record)
     converted: dict[str, torch.Tensor] = {}
     for layer in layers.values():
         converted.update(convert_layer(layer, before, spec, src_layout, dst_layout))
@@ -205,5 +215,5 @@ def convert_checkpoint(
         result.verified = not result.problems and result.max_score_error <= tolerance
         return result.verified
 
-    result.outputs = write_output(plan, ckpt, converted, metadata, check if verify else None)
+    result.outputs = write_output(plan, ckpt, converted, metadata, check if verify else None, rewritten)
     return result

@@ -3,7 +3,8 @@
 DST is a ``.safetensors`` file (single-file input only) or a directory (created if missing). A
 directory output is the model directory: the converted shards, the index of a sharded input, and
 the non-weight files of the source directory (config, tokenizer, ...; see
-:func:`ropekit.checkpoints.storage.carried_files`).
+:func:`ropekit.checkpoints.storage.carried_files`), byte for byte except a ``config.json`` that
+would claim another layout than the rows' (:mod:`.carried_config`).
 
 Everything is built in a staging directory beside DST (:mod:`ropekit.files`), optionally
 checked there (``--verify`` reads the staged files back), and only then moved into place with one
@@ -131,13 +132,16 @@ def _save(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Callabl
     return lambda path: checkpoint_io.save_safetensors(tensors, str(path), metadata)
 
 
-def _copy_carried(source: Path, directory: Path, path: Path) -> None:
-    """Copy the carried file ``source`` of SRC ``directory`` to the staged ``path``, with at most its source's mode."""
+def _copy_carried(source: Path, directory: Path, path: Path, contents: bytes | None = None) -> None:
+    """Copy the carried ``source`` of SRC ``directory`` (or ``contents``) to the staged ``path``, mode <= source's."""
     fd, mode = open_source(source, directory)
     with os.fdopen(fd, "rb") as reader:
         def copy(target: Path) -> None:
             with open(target, "r+b") as writer:
-                shutil.copyfileobj(reader, writer, 1 << 20)
+                if contents is None:
+                    shutil.copyfileobj(reader, writer, 1 << 20)
+                else:
+                    writer.write(contents)
 
         files.write_file(path, copy, mode_limit=mode)
 
@@ -148,12 +152,14 @@ def write_output(
     converted: dict[str, torch.Tensor],
     metadata: dict[str, str],
     check: Callable[[Path], bool] | None = None,
+    rewritten: dict[str, bytes] | None = None,
 ) -> list[Path]:
     """Write the outputs of ``plan`` all-or-nothing; return their final paths, or ``[]`` if ``check`` refused.
 
     Each shard gets ``converted`` tensors in place of the source's, and its own metadata updated
-    with ``metadata``. ``check(path)`` sees the staged output (the directory, or the file) before it
-    is moved into place; returning ``False`` discards it.
+    with ``metadata``; a carried file named in ``rewritten`` gets those contents instead of its
+    source's (``config.json``, see :mod:`.carried_config`). ``check(path)`` sees the staged output
+    (the directory, or the file) before it is moved into place; returning ``False`` discards it.
     """
     parent = plan.dst.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -171,7 +177,7 @@ def write_output(
             text = json.dumps(index, indent=2, sort_keys=True) + "\n"
             files.write_file(root / plan.index_name, lambda path: path.write_text(text, encoding="utf-8"))
         for source in plan.carried:
-            _copy_carried(source, ckpt.directory, root / source.name)
+            _copy_carried(source, ckpt.directory, root / source.name, (rewritten or {}).get(source.name))
         staged = root if plan.is_directory else root / plan.dst.name
         if check is not None and not check(staged):
             return []

@@ -16,9 +16,10 @@ q/k tensor, fused q/k/v tensor and q/k norm. What the weights cannot show: with 
 metadata, a geometry ``(heads * c, kv_heads * c, head_dim / c)`` fits the same shapes as the true one
 unless a per-head q/k norm (length ``head_dim``) or a fused projection pins ``head_dim``.
 
-Layout: the recorded metadata decides, else the own config (``RopeConfig.from_hf``'s layout: half,
-except ``rope_interleave`` / interleaved model types; ``params.json``: interleaved); ``--from`` must
-agree with it, and a conversion to the layout SRC is already in is refused.
+Layout: the recorded metadata decides, else the own config (the ``rope_layout`` an earlier
+conversion recorded in it, else ``RopeConfig.from_hf``'s layout: half, except ``rope_interleave`` /
+interleaved model types; ``params.json``: interleaved); ``--from`` must agree with it, and a
+conversion to the layout SRC is already in is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..config.layout_record import read_layout_record
 from ..validation import check_layout
 from .qk_tensors import QKLayer
 from .storage import Checkpoint, first_line
@@ -144,7 +146,17 @@ def own_config_path(directory: Path | None, names: list[str]) -> Path | None:
 
 
 def config_source(config: dict[str, Any], label: str, names: list[str]) -> Source:
-    """A :class:`Source` from a config dict; its layout only where the config describes these tensor names."""
+    """A :class:`Source` from a config dict; its layout only where the config describes these tensor names.
+
+    A config that records a layout (written by an earlier conversion, :mod:`ropekit.config.layout_record`)
+    says that layout, and the rest is read from the original config it keeps.
+    """
+    recorded = None
+    if isinstance(config, dict):
+        try:
+            config, recorded = read_layout_record(config)
+        except ValueError as exc:
+            raise ValueError(f"{label}: {first_line(exc)}") from None
     try:
         spec = HeadSpec.from_config(config)
     except (ValueError, TypeError, KeyError) as exc:
@@ -157,7 +169,7 @@ def config_source(config: dict[str, Any], label: str, names: list[str]) -> Sourc
     elif not is_params and not meta_names:
         from ..config import RopeConfig
 
-        layout = _rope_config(config, RopeConfig).layout
+        layout = recorded or _rope_config(config, RopeConfig).layout
     return Source("config", label, spec, layout)
 
 

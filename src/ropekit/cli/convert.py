@@ -55,6 +55,22 @@ def _written(result: Any, dst: str) -> str:
     return text + ")"
 
 
+def _how_to_load(result: Any, dst: str, layout: str) -> str:
+    """One line: what the written config says and how to load the output (docs/models.md)."""
+    config = f"{dst.rstrip('/')}/config.json"
+    if result.config_record == "recorded":
+        return (f"load: {config} records rope_layout {layout} (model type ropekit_{layout}), so transformers' "
+                f"from_pretrained refuses it instead of rotating these rows in the other layout; load it with "
+                f"ropekit.integrations.transformers.load_converted({dst!r}) (docs/models.md)")
+    if result.config_record == "restored":
+        return (f"load: {config} is the original transformers config again (layout record removed); "
+                f"from_pretrained({dst!r}) loads it as an ordinary checkpoint")
+    if "config.json" in result.carried:
+        return f"load: {config} carried as it was; from_pretrained({dst!r}) loads it"
+    return (f"load: q/k rows in the {layout} layout; in a transformers model of this architecture, "
+            f"ropekit.integrations.transformers.patch(model, layout={layout!r}) rotates them in it (docs/models.md)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``ropekit convert`` for parsed ``args``: 0 on success, 1 if ``--verify`` found a mismatch."""
     from ..checkpoints.convert import K_PATTERN, Q_PATTERN, HeadSpec, convert_checkpoint
@@ -89,4 +105,5 @@ def run(args: argparse.Namespace) -> int:
     if result.verified:
         print(f"verified: written files read back, attention scores equal "
               f"(max relative difference {result.max_score_error:.2e})")
+    print(_how_to_load(result, str(args.dst), args.dst_layout))
     return 0
