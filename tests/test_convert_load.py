@@ -144,6 +144,7 @@ def test_the_snippets_of_the_docs_run_as_written(converted):
         exec(compile(code.replace("path/to/llama-interleaved", str(dst)), "docs/models.md", "exec"),  # noqa: S102
              namespace)
         assert_logits_match(logits(namespace["model"].eval()), logits(model))
+        unpatch(namespace["model"])  # the modeling module gets its own apply_rotary_pos_emb back
 
 
 def test_converting_back_to_half_gives_an_ordinary_checkpoint(converted, tmp_path, capsys):
