@@ -25,7 +25,7 @@ def assert_tables(sin, cos, positions, plan, half, atol=1e-6):
     """timm's full-width (sin, cos) against ropekit's half-width tables."""
     pairs = plan.pairs
     sin_h, cos_h = (sin[..., :pairs], cos[..., :pairs]) if half else (sin[..., 0::2], cos[..., 0::2])
-    ours_cos, ours_sin = ropekit.cos_sin(positions, plan)
+    ours_cos, ours_sin = plan.cos_sin(positions)
     torch.testing.assert_close(ours_cos, cos_h.float(), rtol=0, atol=atol)
     torch.testing.assert_close(ours_sin, sin_h.float(), rtol=0, atol=atol)
 
@@ -40,7 +40,7 @@ def test_eva02_cat_embedding_and_apply(rotate_half):
     assert_tables(sin, cos, positions, plan, rotate_half)
     x = torch.randn(2, 3, H * W, DIM)
     layout = "half" if rotate_half else "interleaved"
-    ours_cos, ours_sin = ropekit.cos_sin(positions, plan)
+    ours_cos, ours_sin = plan.cos_sin(positions)
     torch.testing.assert_close(ropekit.apply_rotary(x, ours_cos, ours_sin, layout=layout),
                                timm_pe.apply_rot_embed_cat(x, emb, half=rotate_half), rtol=0, atol=5e-6)
 
@@ -54,7 +54,7 @@ def test_xy_indexing_and_prefix_tokens_as_eva_attention():
     npt = 2
     q = torch.randn(1, 2, npt + H * W, DIM)
     expected = torch.cat([q[:, :, :npt], timm_pe.apply_rot_embed_cat(q[:, :, npt:], emb)], dim=2)
-    cos, sin = ropekit.cos_sin(patch_grid((H, W), indexing="xy", prefix_tokens=npt), plan)
+    cos, sin = plan.cos_sin(patch_grid((H, W), indexing="xy", prefix_tokens=npt))
     torch.testing.assert_close(ropekit.apply_rotary(q, cos, sin, layout="interleaved"), expected, rtol=0, atol=5e-6)
 
 
