@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 import ropekit
 from ropekit import AxisPlan, apply_reference, base_inv_freq, cos_sin, rotation_matrix
-from ropekit.multiaxis import axial, axial_pixel, matrix_angles, mrope, named_plan, pixel_ladder, single_axis
+from ropekit.multiaxis import axial, axial_pixel, matrix_angles, mrope, named_plan, single_axis
+from ropekit.rope.axes import pixel_ladder
 
 PLANS = {
     "axial-2d": lambda: axial((8, 8), 100.0),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.multiaxis import axial_pixel, dinov3, eva02, mrope, patch_grid, rope_vit_axial
+from ropekit.multiaxis import axial_pixel, mrope, named_plan, patch_grid
 from ropekit.nn import MixedRotaryEmbedding
 from timm_layers import pos_embed_sincos
 
@@ -36,7 +36,7 @@ def test_eva02_cat_embedding_and_apply(rotate_half):
                                       rotate_half=rotate_half)
     emb = rope.get_embed()  # (H*W, 2*DIM) = cat(sin, cos)
     sin, cos = emb.chunk(2, -1)
-    plan, positions = eva02(DIM), patch_grid((H, W))
+    plan, positions = named_plan("eva02", head_dim=DIM), patch_grid((H, W))
     assert_tables(sin, cos, positions, plan, rotate_half)
     x = torch.randn(2, 3, H * W, DIM)
     layout = "half" if rotate_half else "interleaved"
@@ -48,7 +48,7 @@ def test_eva02_cat_embedding_and_apply(rotate_half):
 def test_xy_indexing_and_prefix_tokens_as_eva_attention():
     rope = timm_pe.RotaryEmbeddingCat(DIM, in_pixels=False, feat_shape=[H, W], temperature=100.0, grid_indexing="xy")
     emb = rope.get_embed()
-    plan, positions = rope_vit_axial(DIM, 100.0), patch_grid((H, W), indexing="xy")
+    plan, positions = named_plan("rope-vit-axial", head_dim=DIM, base=100.0), patch_grid((H, W), indexing="xy")
     assert_tables(*emb.chunk(2, -1), positions, plan, half=False)
     # Eva's attention rotates q[:, :, npt:] only; ropekit gives the prefix tokens position 0 (the identity)
     npt = 2
@@ -62,7 +62,7 @@ def test_ref_feat_shape_is_interpolation():
     ref = [4, 4]  # EVA-02 fine-tuned at another resolution: positions rescaled onto the trained grid
     rope = timm_pe.RotaryEmbeddingCat(DIM, in_pixels=False, feat_shape=[H, W], ref_feat_shape=ref, grid_offset=0.5)
     positions = patch_grid((H, W), offset=0.5, trained_shape=ref, resize="interpolate")
-    assert_tables(*rope.get_embed().chunk(2, -1), positions, eva02(DIM), half=False)
+    assert_tables(*rope.get_embed().chunk(2, -1), positions, named_plan("eva02", head_dim=DIM), half=False)
 
 
 @pytest.mark.parametrize("linear", [True, False])
@@ -76,7 +76,8 @@ def test_pixel_bands(linear):
 def test_dinov3_centered_coordinates_half_layout():
     rope = timm_pe.RotaryEmbeddingDinoV3(DIM, temperature=100.0, feat_shape=[H, W])
     sin, cos = rope.get_embed().chunk(2, -1)
-    assert_tables(sin, cos, patch_grid((H, W), kind="centered"), dinov3(DIM, 100.0), half=True)
+    assert_tables(sin, cos, patch_grid((H, W), kind="centered"), named_plan("dinov3", head_dim=DIM, base=100.0),
+                 half=True)
 
 
 def test_mrope_for_vision_is_the_qwen3_interleave():

@@ -94,13 +94,13 @@ def test_vision_tower_rotary_is_the_two_halves_plan_in_merge_block_order():
     # left alone by the patch, but representable: pairs [0, d/4) on the row, [d/4, d/2) on the column
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLVisionRotaryEmbedding
 
-    from ropekit.multiaxis import qwen_vl_vision, vision_patch_positions
+    from ropekit.multiaxis import named_plan, vision_patch_positions
 
     rotary = Qwen2VLVisionRotaryEmbedding(qv.transformers.Qwen2VLVisionConfig(embed_dim=1280, num_heads=16))
     grid = torch.tensor([[2, 4, 6], [1, 6, 4]])
     positions = vision_patch_positions(grid, 2)
     cos, sin = rotary(torch.zeros(1), positions)  # (N, 80), half layout
-    ours_cos, ours_sin = qwen_vl_vision(80).cos_sin(positions)
+    ours_cos, ours_sin = named_plan("qwen-vl-vision", head_dim=80).cos_sin(positions)
     torch.testing.assert_close(ours_cos, cos[:, :40], rtol=0, atol=1e-6)
     torch.testing.assert_close(ours_sin, sin[:, :40], rtol=0, atol=1e-6)
 
