@@ -4,11 +4,12 @@
 - :func:`rotate` / :func:`rotate_qk`: full tables, each token's row looked up by position
   (per-token ``positions``, ``offsets``, packed ``cu_seqlens``), flash-attention's and vLLM's forms.
 
-``backend`` names a registered backend (:func:`ropekit.ops.available`); ``"auto"`` picks by
-device. Autograd: the gradient is the rotation by ``-theta`` (nothing of the inputs' size is
-saved); learned tables (``cos``/``sin`` requiring grad) take a composite path that
-differentiates them too. ``torch.compile(fullgraph=True)`` traces every entry point as one
-operator node.
+Each function calls the operator of its own name (``torch.ops.ropekit.<name>``), whose kernel is
+the backend method of that name (docs/api.md, "Vocabulary"). ``backend`` names a registered
+backend (:func:`ropekit.ops.available`); ``"auto"`` picks by device. Autograd: the gradient is
+the rotation by ``-theta`` (nothing of the inputs' size is saved); learned tables (``cos``/``sin``
+requiring grad) take a composite path that differentiates them too.
+``torch.compile(fullgraph=True)`` traces every entry point as one operator node.
 """
 
 from __future__ import annotations
