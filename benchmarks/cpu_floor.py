@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args()
-    if "cpu" not in ropekit.backends.available():  # builds the kernel first if needed
+    if "cpu" not in ropekit.ops.available():  # builds the kernel first if needed
         raise SystemExit("the CPU kernel is not available here")
     if not args.json:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads by default, "

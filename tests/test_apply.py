@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ropekit import apply_reference, apply_rotary, backends, base_inv_freq, cos_sin
+from ropekit import apply_reference, apply_rotary, base_inv_freq, cos_sin, ops
 from ropekit.ops import eager as torch_eager
 
 LAYOUTS = ["half", "interleaved"]
@@ -330,7 +330,7 @@ def test_inplace_bumps_the_version_so_autograd_sees_the_change(backend):
     """A tensor saved for a backward pass, then rotated in place: backward must refuse, as after
     any in-place torch op (the native kernel writes through a raw pointer; the version is bumped
     by hand)."""
-    if backend not in ("auto", *backends.available()):
+    if backend not in ("auto", *ops.available()):
         pytest.skip(f"backend {backend} unavailable")
     cos, sin = cos_sin(torch.arange(4), base_inv_freq(8))
     for _ in range(2):  # the second call takes the decode fast path

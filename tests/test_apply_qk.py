@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ropekit import apply_reference, apply_rotary, apply_rotary_qk, backends, base_inv_freq, cos_sin, ops
+from ropekit import apply_reference, apply_rotary, apply_rotary_qk, base_inv_freq, cos_sin, ops
 
 LAYOUTS = ["half", "interleaved"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -109,8 +109,8 @@ def test_decode_step_is_one_native_call(monkeypatch):
             return fn(*args)
         return call
 
-    monkeypatch.setattr(cpu, "_pair", counting(cpu._pair, "pair"))
-    monkeypatch.setattr(cpu, "_rotate", counting(cpu._rotate, "single"))
+    monkeypatch.setattr(cpu, "_qk", counting(cpu._qk, "pair"))
+    monkeypatch.setattr(cpu, "_one", counting(cpu._one, "single"))
     expected = apply_rotary(q, cos, sin, backend="torch"), apply_rotary(k, cos, sin, backend="torch")
     prepared.clear()
     for step in range(1, 4):
@@ -168,7 +168,7 @@ def test_learned_tables_get_gradients():
 
 @pytest.mark.parametrize("name", ["cpu", "torch"])
 def test_every_cpu_backend_pairs(name):
-    if name not in backends.available():
+    if name not in ops.available():
         pytest.skip(f"backend {name} unavailable")
     for dtype in DTYPES:
         q, k, cos, sin = decode_inputs(dtype, seed=6)

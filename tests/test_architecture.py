@@ -2,9 +2,9 @@
 
 Layers, bottom to top (docs/architecture.md): validation · rope · ops · functional · fused · distributed · config ·
 checkpoints · nn · integrations · lab · cli. ``ropekit.files`` (atomic writes) is a leaf any tool
-layer may use; ``ropekit/__init__.py``, ``ropekit/scaling.py``, ``ropekit/multiaxis.py``,
-``ropekit/backends.py`` (compatibility names) and ``ropekit/__main__.py`` are the public entry points
-above everything. Every import counts, those inside functions too.
+layer may use, ``ropekit._deprecation`` (the aliases of renamed names) a leaf every layer may use;
+``ropekit/__init__.py``, ``ropekit/scaling.py``, ``ropekit/multiaxis.py`` and ``ropekit/__main__.py``
+are the public entry points above everything. Every import counts, those inside functions too.
 """
 
 import ast
@@ -15,8 +15,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "ropekit"
 LAYERS = ["validation", "rope", "ops", "functional", "fused", "distributed", "config", "checkpoints", "nn",
           "integrations", "lab", "cli"]
-LEAVES = {"files": "checkpoints"}  # a leaf module and the lowest layer allowed to use it
-ENTRY_POINTS = {"ropekit", "ropekit.scaling", "ropekit.backends", "ropekit.multiaxis", "ropekit.__main__"}
+LEAVES = {"files": "checkpoints", "_deprecation": "validation"}  # a leaf module and the lowest layer allowed to use it
+ENTRY_POINTS = {"ropekit", "ropekit.scaling", "ropekit.multiaxis", "ropekit.__main__"}
 
 
 def module_name(path: Path) -> str:

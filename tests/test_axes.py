@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 import ropekit
 from ropekit import AxisPlan, apply_reference, base_inv_freq, cos_sin, rotation_matrix
-from ropekit.multiaxis import axial, axial_pixel, matrix_angles, mrope, named_plan, pixel_ladder, single_axis
+from ropekit.multiaxis import axial, axial_pixel, matrix_angles, mrope, named_plan, single_axis
+from ropekit.rope.axes import pixel_ladder
 
 PLANS = {
     "axial-2d": lambda: axial((8, 8), 100.0),
@@ -43,13 +44,13 @@ def test_one_axis_plan_is_1d_rope_bit_for_bit(rotary_dim, base, positions, scale
     pos = torch.tensor(positions)
     expected = cos_sin(pos, inv_freq, attention_scale=scale)
     plan = single_axis(inv_freq, attention_scale=scale)
-    got = cos_sin(pos[:, None], plan)
+    got = plan.cos_sin(pos[:, None])
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     # M-RoPE on text tokens: every axis at the token's position
     for interleaved in (False, True):
         section = [rotary_dim // 2 - 2 * (rotary_dim // 6), rotary_dim // 6, rotary_dim // 6]
         multi = mrope(inv_freq, section, interleaved=interleaved, attention_scale=scale)
-        got = cos_sin(pos[:, None].expand(-1, 3), multi)
+        got = multi.cos_sin(pos[:, None].expand(-1, 3))
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     x = torch.randn(len(positions), 3, rotary_dim)
     assert torch.equal(ropekit.apply_rotary(x, got[0][:, None], got[1][:, None]),
@@ -76,8 +77,8 @@ def test_score_depends_only_on_the_displacement(name, data, layout):
     r = plan.rotary_dim  # <q, R(p' - p) k>; the two channels past rotary_dim pass through
     reference = q[:r].double() @ rotation_matrix(p2 - p, plan, layout=layout) @ k[:r].double() + q[r:] @ k[r:]
     for origin in (torch.zeros(n, dtype=torch.float64), shift):
-        cq, sq = cos_sin((p + origin)[None], plan)
-        ck, sk = cos_sin((p2 + origin)[None], plan)
+        cq, sq = plan.cos_sin((p + origin)[None])
+        ck, sk = plan.cos_sin((p2 + origin)[None])
         q_rot = ropekit.apply_rotary(q[None], cq, sq, layout=layout)[0]
         k_rot = ropekit.apply_rotary(k[None], ck, sk, layout=layout)[0]
         score = q_rot.double() @ k_rot.double()
@@ -134,7 +135,7 @@ def test_gather_and_matrix_angles_agree_and_positions_may_be_negative_and_fracti
     assert torch.equal(plan.angles(torch.tensor([[1, 2, 3]], dtype=torch.int32)),
                        plan.angles(torch.tensor([[1.0, 2.0, 3.0]])))
     x = torch.randn(2, 4, 16)
-    cos, sin = cos_sin(positions, plan)
+    cos, sin = plan.cos_sin(positions)
     out = ropekit.apply_rotary(x, cos[:, None], sin[:, None], layout="half")
     ref = apply_reference(x, positions[:, None], plan, layout="half")
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6 * x.abs().max().item())
@@ -205,8 +206,6 @@ def test_bad_plans_are_refused_with_the_argument_named(build, error, words):
 def test_bad_positions_are_refused(positions, error, words):
     plan = PLANS["mrope-contiguous"]()
     with pytest.raises(error) as info:
-        cos_sin(positions, plan)
+        plan.cos_sin(positions)
     for word in words:
         assert word in str(info.value)
-    with pytest.raises(ValueError, match="attention_scale must be left at 1.0 with an AxisPlan"):
-        cos_sin(torch.zeros(1, 3), plan, attention_scale=2.0)

@@ -29,12 +29,12 @@ TABLE_ROWS = 64
 
 
 class triton_api:  # noqa: N801 - the Triton backend's forms through the public API and the operators
-    """``rotate``/``rotate_qk`` on ``backend="triton"`` (``conjugate`` through the operators)."""
+    """``apply_rotary``/``rotate_qk`` on ``backend="triton"`` (``conjugate`` through the operators)."""
 
     @staticmethod
-    def rotate(x, cos, sin, *, layout, conjugate=False, inplace=False):
+    def apply_rotary(x, cos, sin, *, layout, conjugate=False, inplace=False):
         if conjugate:
-            return torch.ops.ropekit.rotate(x, cos, sin, layout, True, "triton")
+            return torch.ops.ropekit.apply_rotary(x, cos, sin, layout, True, "triton")
         return ropekit.apply_rotary(x, cos, sin, layout=layout, inplace=inplace, backend="triton")
 
     @staticmethod
@@ -47,9 +47,9 @@ class triton_api:  # noqa: N801 - the Triton backend's forms through the public 
         offset, offsets_t = (offsets, None) if isinstance(offsets, int) else (0, offsets.reshape(-1))
         args = (cos, sin, positions, offsets_t, offset, cu_seqlens, max_seqlen, seq_dim, layout, True, "triton")
         if inplace:
-            torch.ops.ropekit.rotate_pair_positions_(q, k, *args)
+            torch.ops.ropekit.rotate_qk_(q, k, *args)
             return q, k
-        return torch.ops.ropekit.rotate_pair_positions(q, k, *args)
+        return torch.ops.ropekit.rotate_qk(q, k, *args)
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +105,7 @@ def test_rotate_contract_matches_reference(layout, dtype, inplace):
     x = torch.randn(2, 8, 3, 40, generator=gen).to(dtype).transpose(1, 2)  # (b, h, s, d) view
     x0 = x.clone()
     c, s = cos[3:11].reshape(1, 1, 8, 12), sin[3:11].reshape(1, 1, 8, 12)
-    out = triton_api.rotate(x, c, s, layout=layout, inplace=inplace)
+    out = triton_api.apply_rotary(x, c, s, layout=layout, inplace=inplace)
     assert (out is x) == inplace
     assert_matches(out, x0, torch.arange(3, 11).reshape(1, 1, 8), inv_freq, layout)
     assert torch.equal(out[..., 24:], x0[..., 24:])
@@ -128,7 +128,7 @@ def test_rotate_contract_strides(case, launches):
         x, pos = torch.randn(2, 4, 3, 20, generator=gen), (torch.arange(4).reshape(1, 4, 1) * 3 + torch.arange(3))
     pos = pos.expand(x.shape[:-1]) if case == "expanded_tables" else pos
     c, s = cos[pos], sin[pos]  # gathered: (..., 8), fancy-indexing keeps expanded positions' shape
-    out = triton_api.rotate(x, c, s, layout="interleaved")
+    out = triton_api.apply_rotary(x, c, s, layout="interleaved")
     assert_matches(out, x, pos, inv_freq, "interleaved")
     assert len(launches) == (2 if case == "five_dims" else 1)
 
@@ -299,9 +299,9 @@ def test_conjugate_undoes_the_rotation(layout):
     bq, bk = triton_api.rotate_qk(rq, rk, cos, sin, offsets=20, seq_dim=2, layout=layout, conjugate=True)
     torch.testing.assert_close(bq, q, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(bk, k, atol=1e-6, rtol=1e-6)
-    x = triton_api.rotate(q, cos[None, None, 20:29], sin[None, None, 20:29], layout=layout)
+    x = triton_api.apply_rotary(q, cos[None, None, 20:29], sin[None, None, 20:29], layout=layout)
     torch.testing.assert_close(x, rq)
-    y = triton_api.rotate(x, cos[None, None, 20:29], sin[None, None, 20:29], layout=layout, conjugate=True)
+    y = triton_api.apply_rotary(x, cos[None, None, 20:29], sin[None, None, 20:29], layout=layout, conjugate=True)
     torch.testing.assert_close(y, q, atol=1e-6, rtol=1e-6)
 
 
@@ -339,12 +339,12 @@ def test_int64_indexing(monkeypatch):
     expected = triton_api.rotate_qk(q, k, cos, sin, cu_seqlens=cu, offsets=torch.tensor([3, 8]), seq_dim=0,
                                     layout="half")
     x = q.transpose(0, 1)
-    expected_x = triton_api.rotate(x, cos[None, :10], sin[None, :10], layout="half")
+    expected_x = triton_api.apply_rotary(x, cos[None, :10], sin[None, :10], layout="half")
     flags = []
     monkeypatch.setattr(triton_rotary, "needs_int64", lambda *extents: flags.append(True) or True)
     got = triton_api.rotate_qk(q, k, cos, sin, cu_seqlens=cu, offsets=torch.tensor([3, 8]), seq_dim=0, layout="half")
     assert flags and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-    assert torch.equal(triton_api.rotate(x, cos[None, :10], sin[None, :10], layout="half"), expected_x)
+    assert torch.equal(triton_api.apply_rotary(x, cos[None, :10], sin[None, :10], layout="half"), expected_x)
 
 
 def test_custom_ops_pass_opcheck():
@@ -358,19 +358,16 @@ def test_custom_ops_pass_opcheck():
     c, s = cos[:5].reshape(1, 5, 1, 8), sin[:5].reshape(1, 5, 1, 8)
     ops = torch.ops.ropekit
     cases = [
-        (ops.rotate_pair_positions, (q, k, cos, sin, None, torch.tensor([1, 3]), 2, None, None, 1, "half", False,
-                                     "triton")),
-        (ops.rotate_pair_positions_, (q.detach().clone(), k.detach().clone(), cos, sin, None, None, 4, None, None, 1,
-                                      "interleaved", True, "triton")),
-        (ops.rotate_pair_positions, (packed, packed, cos, sin, None, None, 0, cu, None, 0, "interleaved", False,
-                                     "triton")),
-        (ops.rotate_positions, (packed, cos, sin, None, None, 3, cu, None, 0, "half", True, "triton")),
-        (ops.rotate_positions_, (packed.detach().clone(), cos, sin, None, None, 0, cu, None, 0, "half", False,
-                                 "triton")),
-        (ops.rotate, (q, c, s, "interleaved", False, "triton")),
-        (ops.rotate_, (q.detach().clone(), c, s, "half", True, "triton")),
-        (ops.rotate_pair, (q, k, c, s, "interleaved", False, "triton")),
-        (ops.rotate_pair_, (q.detach().clone(), k.detach().clone(), c, s, "half", True, "triton")),
+        (ops.rotate_qk, (q, k, cos, sin, None, torch.tensor([1, 3]), 2, None, None, 1, "half", False, "triton")),
+        (ops.rotate_qk_, (q.detach().clone(), k.detach().clone(), cos, sin, None, None, 4, None, None, 1,
+                          "interleaved", True, "triton")),
+        (ops.rotate_qk, (packed, packed, cos, sin, None, None, 0, cu, None, 0, "interleaved", False, "triton")),
+        (ops.rotate, (packed, cos, sin, None, None, 3, cu, None, 0, "half", True, "triton")),
+        (ops.rotate_, (packed.detach().clone(), cos, sin, None, None, 0, cu, None, 0, "half", False, "triton")),
+        (ops.apply_rotary, (q, c, s, "interleaved", False, "triton")),
+        (ops.apply_rotary_, (q.detach().clone(), c, s, "half", True, "triton")),
+        (ops.apply_rotary_qk, (q, k, c, s, "interleaved", False, "triton")),
+        (ops.apply_rotary_qk_, (q.detach().clone(), k.detach().clone(), c, s, "half", True, "triton")),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -395,7 +392,7 @@ def test_compile_fullgraph_traces_the_custom_ops():
     offsets = torch.tensor([1, 4])
     got = torch.compile(step, fullgraph=True, backend=recording)(q.clone(), k.clone(), offsets)
     torch.testing.assert_close(got, (q, k), atol=1e-6, rtol=1e-6)
-    assert len(graphs) == 1 and "rotate_pair_positions" in graphs[0] and "rotate_pair_positions_" in graphs[0]
+    assert len(graphs) == 1 and "rotate_qk" in graphs[0] and "rotate_qk_" in graphs[0]
 
 
 def test_compile_fullgraph_backward_and_apply_rotary(monkeypatch):
@@ -429,7 +426,7 @@ def test_compile_fullgraph_traces_the_pair_op(monkeypatch):
     got = torch.compile(step, fullgraph=True, backend=recording)(q, k)
     for a, b in zip(got, step(q, k), strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    assert len(graphs) == 1 and "ropekit.rotate_pair" in graphs[0]
+    assert len(graphs) == 1 and "ropekit.apply_rotary_qk" in graphs[0]
 
 
 def test_without_interpreter_cpu_tensors_are_refused(monkeypatch, launches):

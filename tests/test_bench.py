@@ -12,7 +12,7 @@ from contextlib import redirect_stdout
 import pytest
 import torch
 
-from ropekit import backends
+from ropekit import ops
 from ropekit.cli.entry import main
 from ropekit.lab import bench, bench_rows
 
@@ -26,7 +26,7 @@ def test_rows_pair_every_backend_with_its_floor():
         assert by[(dtype, "copy (x.clone)", "out-of-place")]["ratio_copy"] == 1.0
         assert by[(dtype, "in-place pass (x.mul_)", "in-place")]["ratio_copy"] == 1.0
         assert by[(dtype, "transformers eager", "out-of-place")]["ratio_hf"] == 1.0
-        for name in backends.available():
+        for name in ops.available():
             if name == "triton":
                 continue  # CUDA only (it would fall back to eager ops on the CPU)
             out, inplace = by[(dtype, name, "out-of-place")], by[(dtype, name, "in-place")]
@@ -169,7 +169,7 @@ def test_json_and_text_carry_spread_and_flags(monkeypatch):
 
 
 def test_every_backend_and_row_name_is_explained():
-    for name in backends.available():
+    for name in ops.available():
         assert name in bench_rows.IMPLEMENTATIONS
     for name in ("copy (x.clone)", "in-place pass (x.mul_)", "transformers eager", "transformers + torch.compile",
                  "liger-kernel", "ropekit auto", "float32 round trip (x -> f32 -> x)"):

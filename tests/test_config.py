@@ -272,10 +272,10 @@ def test_dynamic_ntk_kv_cache_consistency():
 
     def logits(module, prefill):
         """Decode: keys rotated at the step that produced them, the last query at the end."""
-        keys = [module.rotate(k[:, :, :prefill].float())]
+        keys = [module.rotate_one(k[:, :, :prefill].float())]
         for step in range(prefill, 48):
-            keys.append(module.rotate(k[:, :, step:step + 1].float(), offset=step))
-        query = module.rotate(q[:, :, -1:].float(), offset=47)
+            keys.append(module.rotate_one(k[:, :, step:step + 1].float(), offset=step))
+        query = module.rotate_one(q[:, :, -1:].float(), offset=47)
         return (query @ torch.cat(keys, dim=2).transpose(-1, -2)).squeeze()
 
     def full(module):

@@ -104,8 +104,8 @@ def test_backward_kernel_matches_the_composite(monkeypatch):
     real = triton_fused.launch_backward
     monkeypatch.setattr(triton_fused, "launch_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
     options = dict(eps=1e-5, weight_offset=0.0, per_token=True, layout="interleaved")
-    got = ropekit.ops.get("triton").rms_norm_rotate_backward(grad, x, w, cos, sin, **options)
-    want = ropekit.ops.get("torch").rms_norm_rotate_backward(grad.double(), x.double(), w.double(), cos.double(),
+    got = ropekit.ops.get("triton").rms_norm_rotary_backward(grad, x, w, cos, sin, **options)
+    want = ropekit.ops.get("torch").rms_norm_rotary_backward(grad.double(), x.double(), w.double(), cos.double(),
                                                              sin.double(), **options)
     assert calls
     for a, b in zip(got, want, strict=True):

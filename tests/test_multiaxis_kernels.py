@@ -20,11 +20,11 @@ pytestmark = pytest.mark.skipif("cpu" not in ops.available(), reason="C++ CPU ke
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Count the C++ operator calls (rotate and pair, in place or not)."""
+    """Count the C++ kernel calls (apply_rotary and apply_rotary_qk, in place or not)."""
     backend = ops.get("cpu")
     backend.is_available()
     calls = []
-    for name in ("_rotate", "_rotate_", "_pair", "_pair_"):
+    for name in ("_one", "_one_", "_qk", "_qk_"):
         real = getattr(backend, name)
 
         def counting(*args, _real=real, _name=name):
@@ -44,7 +44,7 @@ def test_forward_and_backward_on_the_cpp_kernel(name, layout, dtype, kernel_call
     plan = PLANS[name]()
     gen = torch.Generator().manual_seed(3)
     positions = positions_for(plan, 12, gen)
-    cos, sin = ropekit.cos_sin(positions, plan)  # (12, pairs)
+    cos, sin = plan.cos_sin(positions)  # (12, pairs)
     q = torch.randn(2, 4, 12, 18, generator=gen).to(dtype).requires_grad_()
     k = torch.randn(2, 2, 12, 18, generator=gen).to(dtype).requires_grad_()
     q_out, k_out = ropekit.apply_rotary_qk(q, k, cos, sin, layout=layout, backend="cpu")
@@ -67,7 +67,7 @@ def test_rotate_qk_with_per_token_tables_of_packed_images(kernel_calls):
     plan = PLANS["eva02"]()
     first, second = positions_for(plan, 8, torch.Generator().manual_seed(1)), positions_for(plan, 6, None)
     positions = torch.cat([first, second])
-    cos_table, sin_table = ropekit.cos_sin(positions, plan)
+    cos_table, sin_table = plan.cos_sin(positions)
     q, k = torch.randn(14, 3, 16), torch.randn(14, 1, 16)
     cu_seqlens = torch.tensor([0, 8, 14], dtype=torch.int32)
     rows = torch.cat([torch.arange(8), torch.arange(8, 14)])

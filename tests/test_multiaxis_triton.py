@@ -31,7 +31,7 @@ def test_forward_and_backward_on_the_triton_kernel(name, layout, launches):
     plan = PLANS[name]()
     gen = torch.Generator().manual_seed(7)
     positions = positions_for(plan, 6, gen)
-    cos, sin = ropekit.cos_sin(positions, plan)
+    cos, sin = plan.cos_sin(positions)
     q = torch.randn(1, 2, 6, 18, generator=gen).requires_grad_()
     k = torch.randn(1, 1, 6, 18, generator=gen).requires_grad_()
     q_out, k_out = ropekit.apply_rotary_qk(q, k, cos, sin, layout=layout, backend="triton")
@@ -51,7 +51,7 @@ def test_forward_and_backward_on_the_triton_kernel(name, layout, launches):
 def test_rotate_qk_with_per_token_tables_on_triton(launches):
     plan = PLANS["qwen2-vl"]()
     positions = positions_for(plan, 8, torch.Generator().manual_seed(2))
-    cos_table, sin_table = ropekit.cos_sin(positions, plan)
+    cos_table, sin_table = plan.cos_sin(positions)
     q, k = torch.randn(8, 2, 16), torch.randn(8, 1, 16)
     q_out, k_out = ropekit.rotate_qk(q, k, cos_table, sin_table, positions=torch.arange(8), seq_dim=0,
                                      backend="triton")

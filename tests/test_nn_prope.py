@@ -61,7 +61,7 @@ def partial_by_hand(x, positions, rotary_dim, layout, base=10000.0):
 def test_p_rope_is_the_papers_definition(d, p, layout, positions, seed):
     x = torch.randn(len(positions), d, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     rope = RotaryEmbedding(d, scaling=Proportional(partial_rotary_factor=p), layout=layout)
-    got = rope.rotate(x[None, None], torch.tensor(positions))[0, 0]
+    got = rope.rotate_one(x[None, None], torch.tensor(positions))[0, 0]
     torch.testing.assert_close(got, p_rope_by_hand(x, positions, p, layout), atol=2e-6 * (1 + max(positions) / 1e4),
                                rtol=0)
 
@@ -73,7 +73,7 @@ def test_p_rope_is_the_papers_definition(d, p, layout, positions, seed):
 def test_which_channels_p_rope_leaves_alone(layout, untouched):
     rope = RotaryEmbedding(16, scaling=Proportional(partial_rotary_factor=0.5), layout=layout)
     x = torch.randn(1, 1, 6, 16, dtype=torch.float64)
-    y = rope.rotate(x, torch.arange(100, 106))
+    y = rope.rotate_one(x, torch.arange(100, 106))
     moved = [c for c in range(16) if not torch.equal(y[..., c], x[..., c])]
     assert moved == sorted(set(range(16)) - set(untouched))
 
@@ -88,7 +88,7 @@ def test_p_rope_equals_partial_rotary_with_a_smaller_base_only_in_the_interleave
     for layout, equal in (("interleaved", True), ("half", False)):
         p_rope = RotaryEmbedding(d, base=base, scaling=Proportional(partial_rotary_factor=p), layout=layout)
         partial = RotaryEmbedding(d, base=base ** (2 * kept / d), rotary_dim=2 * kept, layout=layout)
-        diff = (p_rope.rotate(x, positions) - partial.rotate(x, positions)).abs().max()
+        diff = (p_rope.rotate_one(x, positions) - partial.rotate_one(x, positions)).abs().max()
         assert (diff < 1e-5) if equal else (diff > 0.1), (layout, float(diff))
 
 
@@ -99,7 +99,8 @@ def test_p_rope_equals_partial_rotary_with_a_smaller_base_only_in_the_interleave
 def test_partial_rotary_is_a_rope_of_its_own_width(d, share, layout, positions, seed):
     rotary_dim = int(d * share)
     x = torch.randn(len(positions), d, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    got = RotaryEmbedding(d, rotary_dim=rotary_dim, layout=layout).rotate(x[None, None], torch.tensor(positions))[0, 0]
+    rope = RotaryEmbedding(d, rotary_dim=rotary_dim, layout=layout)
+    got = rope.rotate_one(x[None, None], torch.tensor(positions))[0, 0]
     expected = partial_by_hand(x, positions, rotary_dim, layout)
     torch.testing.assert_close(got, expected, atol=2e-6 * (1 + max(positions) / 1e4), rtol=0)
     assert torch.equal(got[:, rotary_dim:], x[:, rotary_dim:])

@@ -269,7 +269,7 @@ def test_dtypes_inplace_and_batched_positions():
     assert in_q.data_ptr() == q2.data_ptr() and in_k.data_ptr() == k2.data_ptr()
     torch.testing.assert_close(in_q, out_q)
     torch.testing.assert_close(in_k, out_k)
-    alone = xpos.rotate(k, positions, key=True)
+    alone = xpos.rotate_one(k, positions, key=True)
     torch.testing.assert_close(alone, out_k)
     torch.testing.assert_close(xpos(q, None, positions)[0], out_q)
 

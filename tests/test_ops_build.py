@@ -76,7 +76,7 @@ def test_library_of_another_user_is_refused(cache, tmp_path):
     x = torch.randn(2, 3, 8)
     cos, sin = torch.ones(3, 4), torch.zeros(3, 4)
     with pytest.raises(RuntimeError, match="unavailable"):
-        backend.rotate(x, cos, sin, layout="half", conjugate=False, inplace=False)
+        backend.apply_rotary(x, cos, sin, layout="half", conjugate=False, inplace=False)
 
 
 def test_directory_of_another_user_is_refused(cache, tmp_path):

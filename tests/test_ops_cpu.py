@@ -2,7 +2,7 @@
 
 The kernel computes exactly the eager backend's expression (float32, or float64 for float64
 inputs; no FMA; one rounding to the output dtype), so it is checked bit for bit against
-``eager.rotate`` and, independently, within one ulp of the output dtype (relative to the
+``eager.apply_rotary`` and, independently, within one ulp of the output dtype (relative to the
 largest output) against the float64 rotation matrices of ``ropekit.apply_reference``.
 """
 
@@ -71,10 +71,10 @@ def assert_same(actual, expected):
 
 
 def native(x, cos, sin, *, layout, conjugate=False, inplace=False):
-    """The C++ backend's rotate, asserting that the inputs are for the kernel (not the eager fallback)."""
+    """The C++ backend's apply_rotary, asserting that the inputs are for the kernel (not the eager fallback)."""
     backend = KERNEL["backend"]
     assert backend.takes(x)
-    return backend.rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+    return backend.apply_rotary(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
 
 
 def bits(t):
@@ -159,7 +159,7 @@ def test_matches_eager_and_reference(case):
     cos, sin = tables(positions, inv_freq, dtype)
     kwargs = {"layout": layout, "conjugate": case["conjugate"]}
 
-    expected = torch_eager.rotate(x, cos, sin, **kwargs)
+    expected = torch_eager.apply_rotary(x, cos, sin, **kwargs)
     before = x.clone()
     with thresholds(plan_bytes=0 if case["plan"] else 1 << 20):
         y = native(x, cos, sin, inplace=case["inplace"], **kwargs)
@@ -222,7 +222,7 @@ def test_large_tensors_take_the_planned_threaded_path(layout):
         cos, sin = tables(torch.arange(512), inv_freq, dtype)
         cos, sin = cos[None, None], sin[None, None]
         assert x.numel() * x.element_size() >= 1 << 20  # the default thresholds: 1 MiB and 128 KiB
-        expected = torch_eager.rotate(x, cos, sin, layout=layout)
+        expected = torch_eager.apply_rotary(x, cos, sin, layout=layout)
         with torch_threads(2):
             assert_same(native(x, cos, sin, layout=layout), expected)
             assert_same(native(x.clone(), cos, sin, layout=layout, inplace=True), expected)
@@ -268,8 +268,8 @@ def test_large_outputs_hold_the_same_values_populated_or_not(threads):
             assert hooks.populated_bytes() == before
         finally:
             hooks.set_populate_bytes(old)
-    assert_same(rotated, torch_eager.rotate(q, cos, sin, layout="half"))
-    assert_same(small, torch_eager.rotate(q[:, :1, :1024], cos[:, :, :1024], sin[:, :, :1024], layout="half"))
+    assert_same(rotated, torch_eager.apply_rotary(q, cos, sin, layout="half"))
+    assert_same(small, torch_eager.apply_rotary(q[:, :1, :1024], cos[:, :, :1024], sin[:, :, :1024], layout="half"))
     assert_same(faulted, rotated)
     for got, off, want in zip(normed, faulted_normed, in_place, strict=True):
         assert_same(got, want)
@@ -342,7 +342,7 @@ def test_every_16_bit_value_converts_like_torch(dtype, layout):
         (torch.rand(x.shape[0], 32, generator=gen) * 3, torch.randn(x.shape[0], 32, generator=gen)),
         (torch.full((1, 32), 1.0 + 2.0**-9), torch.full((1, 32), 2.0**-12)),  # ties and near-ties
     ]:
-        expected = torch_eager.rotate(x, cos, sin, layout=layout)
+        expected = torch_eager.apply_rotary(x, cos, sin, layout=layout)
         assert_same(native(x, cos, sin, layout=layout), expected)
 
 
@@ -377,7 +377,7 @@ def test_portable_build_matches_eager(portable_functions, dtype, layout):
             cos, sin = tables(torch.arange(5), ropekit.inv_frequencies(2 * half)[0], dtype)
             cos, sin = cos[None], sin[None]
             for conjugate in (False, True):
-                expected = torch_eager.rotate(x, cos, sin, layout=layout, conjugate=conjugate)
+                expected = torch_eager.apply_rotary(x, cos, sin, layout=layout, conjugate=conjugate)
                 assert_same(native(x, cos, sin, layout=layout, conjugate=conjugate), expected)
                 assert_same(native(x.clone(), cos, sin, layout=layout, conjugate=conjugate, inplace=True), expected)
         values = all_16_bit_patterns(dtype).reshape(-1, 64) if dtype.itemsize == 2 else None
@@ -385,7 +385,7 @@ def test_portable_build_matches_eager(portable_functions, dtype, layout):
             rows = values.shape[0]
             cos, sin = torch.rand(rows, 32, generator=gen) * 3, torch.randn(rows, 32, generator=gen)
             assert_same(native(values, cos, sin, layout=layout),
-                        torch_eager.rotate(values, cos, sin, layout=layout))
+                        torch_eager.apply_rotary(values, cos, sin, layout=layout))
 
 
 def test_strided_overlapping_and_unsupported_inputs():
@@ -393,7 +393,7 @@ def test_strided_overlapping_and_unsupported_inputs():
     cos, sin = ropekit.cos_sin(torch.arange(4), ropekit.inv_frequencies(8)[0])
     cos, sin = cos[None], sin[None]
     strided = torch.randn(2, 4, 32, generator=gen)[..., ::2]  # channel stride 2: rotated through a copy
-    expected = torch_eager.rotate(strided, cos, sin, layout="half")
+    expected = torch_eager.apply_rotary(strided, cos, sin, layout="half")
     assert_same(native(strided, cos, sin, layout="half"), expected)
     base = torch.zeros(2, 4, 32)
     view = base[..., ::2]
@@ -402,9 +402,9 @@ def test_strided_overlapping_and_unsupported_inputs():
     assert_same(view, expected)
     assert torch.equal(base[..., 1::2], torch.zeros(2, 4, 16))  # the elements between untouched
     expanded = torch.randn(1, 4, 16, generator=gen).expand(3, 4, 16)  # rows alias each other: read-only is fine
-    assert_same(native(expanded, cos, sin, layout="half"), torch_eager.rotate(expanded, cos, sin, layout="half"))
+    assert_same(native(expanded, cos, sin, layout="half"), torch_eager.apply_rotary(expanded, cos, sin, layout="half"))
     assert_same(native(expanded.clone(), cos[0], sin[0], layout="half"),  # tables with fewer dims
-                torch_eager.rotate(expanded, cos[0], sin[0], layout="half"))
+                torch_eager.apply_rotary(expanded, cos[0], sin[0], layout="half"))
     with pytest.raises(ValueError, match="share memory"):  # in place they would be rotated several times
         ropekit.apply_rotary(expanded, cos, sin, inplace=True, backend="cpu")
     ints = torch.ones(4, 16, dtype=torch.int32)
@@ -417,7 +417,7 @@ def test_more_leading_axes_than_the_kernel_walks():
     x = torch.randn([2] * 9 + [3, 8], generator=gen)[..., :2, :].transpose(0, 9)  # axes that cannot merge
     cos, sin = ropekit.cos_sin(torch.randint(0, 99, [2] * 9 + [2], generator=gen), ropekit.inv_frequencies(8)[0])
     cos, sin = cos.transpose(0, 9), sin.transpose(0, 9)
-    assert_same(native(x, cos, sin, layout="interleaved"), torch_eager.rotate(x, cos, sin, layout="interleaved"))
+    assert_same(native(x, cos, sin, layout="interleaved"), torch_eager.apply_rotary(x, cos, sin, layout="interleaved"))
 
 
 def test_tables_are_converted_and_empty_inputs_work():
@@ -427,12 +427,12 @@ def test_tables_are_converted_and_empty_inputs_work():
     cos, sin = cos[None], sin[None]
     transposed_storage = cos[0].t().contiguous().t()[None]  # last-dim stride 4
     for c, s in [(cos.double(), sin.double()), (cos.bfloat16(), sin.bfloat16()), (transposed_storage, sin)]:
-        assert_same(native(x, c, s, layout="interleaved"), torch_eager.rotate(x, c, s, layout="interleaved"))
+        assert_same(native(x, c, s, layout="interleaved"), torch_eager.apply_rotary(x, c, s, layout="interleaved"))
     empty = torch.empty(0, 4, 16)
     assert native(empty, cos, sin, layout="half").shape == empty.shape
     one = torch.randn(16, generator=gen)  # no leading dims at all
     assert_same(native(one, cos[0, 0], sin[0, 0], layout="half"),
-                torch_eager.rotate(one, cos[0, 0], sin[0, 0], layout="half"))
+                torch_eager.apply_rotary(one, cos[0, 0], sin[0, 0], layout="half"))
 
 
 def test_repeated_calls_reuse_checks_not_data(monkeypatch):
@@ -446,11 +446,12 @@ def test_repeated_calls_reuse_checks_not_data(monkeypatch):
         x = torch.randn(4, 6, 1, 40, generator=gen)
         cos, sin = ropekit.cos_sin(torch.randint(0, 100, (4,), generator=gen), inv_freq)
         cos, sin = cos[:, None, None], sin[:, None, None]
-        assert_same(ropekit.apply_rotary(x, cos, sin, backend="cpu"), torch_eager.rotate(x, cos, sin, layout="half"))
+        assert_same(ropekit.apply_rotary(x, cos, sin, backend="cpu"),
+                    torch_eager.apply_rotary(x, cos, sin, layout="half"))
         assert len(prepared.calls) == (1 if step == 0 else 2)
         converted = (cos.double(), sin.double())
         assert_same(ropekit.apply_rotary(x, *converted, backend="cpu"),
-                    torch_eager.rotate(x, *converted, layout="half"))
+                    torch_eager.apply_rotary(x, *converted, layout="half"))
         assert len(prepared.calls) == 2
 
 
@@ -468,11 +469,11 @@ def test_kernel_rejects_bad_arguments():
     ]
     for args, message in bad:
         with pytest.raises((RuntimeError, TypeError, ValueError), match=message):
-            kernel_ops.rotate(*args, False, False)
+            kernel_ops.apply_rotary(*args, False, False)
         with pytest.raises((RuntimeError, TypeError, ValueError), match=message):
-            kernel_ops.rotate_pair_(args[0], x.clone(), *args[1:], False, False)
+            kernel_ops.apply_rotary_qk_(args[0], x.clone(), *args[1:], False, False)
     assert torch.equal(x, before)
-    assert kernel_ops.rotate(x, c, c, False, False).shape == x.shape
+    assert kernel_ops.apply_rotary(x, c, c, False, False).shape == x.shape
 
 
 def offsets(sizes, strides):
@@ -512,8 +513,8 @@ def test_unavailable_backend_warns_once_and_raises(monkeypatch, tmp_path):
         assert not backend.is_available()
     assert not backend.is_available()  # no second warning (pytest's filter would raise here)
     with pytest.raises(RuntimeError, match="unavailable"):
-        backend.rotate(torch.zeros(2, 4), torch.ones(1, 2), torch.zeros(1, 2), layout="half", conjugate=False,
-                       inplace=False)
+        backend.apply_rotary(torch.zeros(2, 4), torch.ones(1, 2), torch.zeros(1, 2), layout="half", conjugate=False,
+                             inplace=False)
     assert list(tmp_path.iterdir()) == []  # no half-written library (nor build directory) left behind
 
 
@@ -559,7 +560,7 @@ def test_rows_sharing_a_table_row_match_eager_and_reference(dtype, layout):
     for half, tail, heads in [(4, 0, 4), (8, 0, 9), (16, 6, 7), (20, 2, 5), (64, 0, 32), (33, 0, 6)]:
         x, cos, sin, positions, inv_freq = decode_case(dtype, layout, half, tail, heads, gen)
         for conjugate in (False, True):
-            expected = torch_eager.rotate(x, cos, sin, layout=layout, conjugate=conjugate)
+            expected = torch_eager.apply_rotary(x, cos, sin, layout=layout, conjugate=conjugate)
             out = native(x, cos, sin, layout=layout, conjugate=conjugate)
             assert_same(out, expected)
             assert_same(native(x.clone(), cos, sin, layout=layout, conjugate=conjugate, inplace=True), expected)
@@ -567,7 +568,7 @@ def test_rows_sharing_a_table_row_match_eager_and_reference(dtype, layout):
         # (b, s, h, d) storage seen as (b, h, s, d), and every other head of a larger tensor
         wide = (torch.randn(3, 2 * heads, 1, 2 * half + tail, generator=gen) * 4).to(dtype)
         for view in (x.transpose(1, 2).contiguous().transpose(1, 2), wide[:, ::2]):
-            assert_same(native(view, cos, sin, layout=layout), torch_eager.rotate(view, cos, sin, layout=layout))
+            assert_same(native(view, cos, sin, layout=layout), torch_eager.apply_rotary(view, cos, sin, layout=layout))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -582,7 +583,7 @@ def test_portable_build_rows_sharing_a_table_row(portable_functions, dtype, layo
         for half, tail, heads in [(8, 0, 9), (16, 6, 7), (64, 0, 32)]:
             x, cos, sin, _, _ = decode_case(dtype, layout, half, tail, heads, gen)
             for conjugate in (False, True):
-                expected = torch_eager.rotate(x, cos, sin, layout=layout, conjugate=conjugate)
+                expected = torch_eager.apply_rotary(x, cos, sin, layout=layout, conjugate=conjugate)
                 assert_same(native(x, cos, sin, layout=layout, conjugate=conjugate), expected)
                 assert_same(native(x.clone(), cos, sin, layout=layout, conjugate=conjugate, inplace=True), expected)
 
@@ -594,22 +595,22 @@ def test_portable_build_rows_sharing_a_table_row(portable_functions, dtype, layo
 @pytest.mark.parametrize("inplace", [False, True])
 
 
-def test_rotate_pair_equals_two_rotates(dtype, layout, inplace):
+def test_apply_rotary_qk_equals_two_calls(dtype, layout, inplace):
     gen = torch.Generator().manual_seed(13)
     for half, tail, q_heads, k_heads in [(64, 0, 32, 32), (64, 0, 32, 8), (16, 6, 7, 1), (8, 0, 4, 4)]:
         q, cos, sin, _, _ = decode_case(dtype, layout, half, tail, q_heads, gen)
         k = (torch.randn(3, k_heads, 1, 2 * half + tail, generator=gen) * 4).to(dtype)
         for conjugate in (False, True):
-            expected = [torch_eager.rotate(t, cos, sin, layout=layout, conjugate=conjugate) for t in (q, k)]
+            expected = [torch_eager.apply_rotary(t, cos, sin, layout=layout, conjugate=conjugate) for t in (q, k)]
             q_in, k_in = q.clone(), k.clone()
-            q_out, k_out = KERNEL["backend"].rotate_pair(q_in, k_in, cos, sin, layout=layout, conjugate=conjugate,
-                                                         inplace=inplace)
+            q_out, k_out = KERNEL["backend"].apply_rotary_qk(q_in, k_in, cos, sin, layout=layout, conjugate=conjugate,
+                                                             inplace=inplace)
             assert (q_out is q_in and k_out is k_in) == inplace
             assert_same(q_out, expected[0])
             assert_same(k_out, expected[1])
 
 
-def test_rotate_pair_of_mixed_inputs():
+def test_apply_rotary_qk_of_mixed_inputs():
     """q and k that differ in dtype, emptiness or channel stride: still one call, each its own rows."""
     gen = torch.Generator().manual_seed(14)
     cos, sin = ropekit.cos_sin(torch.arange(300), ropekit.inv_frequencies(64)[0])
@@ -623,14 +624,14 @@ def test_rotate_pair_of_mixed_inputs():
     }
     for name, (q, k) in cases.items():
         with torch_threads(2):
-            q_out, k_out = KERNEL["backend"].rotate_pair(q, k, cos, sin, layout="half", conjugate=False,
-                                                         inplace=False)
-        assert_same(q_out, torch_eager.rotate(q, cos[None, None], sin[None, None], layout="half")), name
-        assert_same(k_out, torch_eager.rotate(k, cos[None, None], sin[None, None], layout="half")), name
+            q_out, k_out = KERNEL["backend"].apply_rotary_qk(q, k, cos, sin, layout="half", conjugate=False,
+                                                             inplace=False)
+        assert_same(q_out, torch_eager.apply_rotary(q, cos[None, None], sin[None, None], layout="half")), name
+        assert_same(k_out, torch_eager.apply_rotary(k, cos[None, None], sin[None, None], layout="half")), name
     converted = (cos.double(), sin.double())  # tables that need converting
     q, k = torch.randn(2, 3, 300, 64, generator=gen), torch.randn(2, 3, 300, 64, generator=gen)
-    assert_same(KERNEL["backend"].rotate_pair(q, k, *converted, layout="half", conjugate=False, inplace=False)[1],
-                torch_eager.rotate(k, converted[0][None, None], converted[1][None, None], layout="half"))
+    assert_same(KERNEL["backend"].apply_rotary_qk(q, k, *converted, layout="half", conjugate=False, inplace=False)[1],
+                torch_eager.apply_rotary(k, converted[0][None, None], converted[1][None, None], layout="half"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -647,11 +648,11 @@ def test_thread_split_equals_one_thread(dtype, layout, inplace):
         q = (torch.randn(3, q_heads, seq, 40, generator=gen) * 4).to(dtype)
         k = (torch.randn(3, k_heads, seq, 40, generator=gen) * 4).to(dtype)
         cos, sin = tables(torch.randint(0, 500, (3, 1, seq), generator=gen), ropekit.inv_frequencies(24)[0], dtype)
-        expected = [torch_eager.rotate(t, cos, sin, layout=layout) for t in (q, k)]
+        expected = [torch_eager.apply_rotary(t, cos, sin, layout=layout) for t in (q, k)]
         for threads in (1, 2, 3):
             with torch_threads(threads), thresholds(parallel_bytes=0):
-                got = KERNEL["backend"].rotate_pair(q.clone(), k.clone(), cos, sin, layout=layout, conjugate=False,
-                                                    inplace=inplace)
+                got = KERNEL["backend"].apply_rotary_qk(q.clone(), k.clone(), cos, sin, layout=layout, conjugate=False,
+                                                        inplace=inplace)
                 alone = native(q.clone(), cos, sin, layout=layout, inplace=inplace)
             assert_same(got[0], expected[0])
             assert_same(got[1], expected[1])
@@ -734,7 +735,7 @@ for dtype in (torch.float32, torch.bfloat16):
     cos, sin = ropekit.cos_sin(torch.arange(512), ropekit.inv_frequencies(128)[0])
     got = ropekit.apply_rotary_qk(q, k, cos, sin, backend="cpu")
     for x, y in zip((q, k), got):
-        assert torch.equal(y, eager.rotate(x, cos[None, None], sin[None, None], layout="half"))
+        assert torch.equal(y, eager.apply_rotary(x, cos[None, None], sin[None, None], layout="half"))
 print("ok")
 """
 
@@ -761,7 +762,7 @@ with warnings.catch_warnings(record=True) as caught:
     cos, sin = ropekit.cos_sin(torch.arange(8), ropekit.inv_frequencies(32)[0])
     for _ in range(3):
         got = ropekit.apply_rotary_qk(q, k, cos, sin)
-        assert torch.equal(got[0], eager.rotate(q, cos[None, None], sin[None, None], layout="half"))
+        assert torch.equal(got[0], eager.apply_rotary(q, cos[None, None], sin[None, None], layout="half"))
         assert torch.equal(ropekit.apply_rotary(k, cos, sin), got[1])
     rope = ropekit.RotaryEmbedding(32)
     rope(q, k)
@@ -792,7 +793,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     x = torch.randn(2, 3, 8)
     cos, sin = ropekit.cos_sin(torch.arange(3), ropekit.inv_frequencies(8)[0])
-    assert torch.equal(ropekit.apply_rotary(x, cos, sin), eager.rotate(x, cos[None], sin[None], layout="half"))
+    assert torch.equal(ropekit.apply_rotary(x, cos, sin), eager.apply_rotary(x, cos[None], sin[None], layout="half"))
     assert ropekit.ops.resolve("auto", "cpu") == "torch" and "cpu" not in ropekit.ops.available()
 ours = [str(w.message) for w in caught if "ropekit" in str(w.message)]
 assert len(ours) == 1 and "ROPEKIT_DISABLE_NATIVE" in ours[0], ours
@@ -828,8 +829,8 @@ def test_portable_build_fused_kernels_give_the_same_bits(portable_functions, dty
             options = dict(eps=1e-6, weight_offset=1.0, per_token=per_token, layout=layout)
             results = []
             for backend in (native_backend, portable_functions):
-                out = backend.rms_norm_rotate(x, weight, cos, sin, inplace=False, **options)
-                grads = backend.rms_norm_rotate_backward(grad, x, weight, cos, sin, **options)
+                out = backend.rms_norm_rotary(x, weight, cos, sin, inplace=False, **options)
+                grads = backend.rms_norm_rotary_backward(grad, x, weight, cos, sin, **options)
                 results.append((out, *grads))
             for a, b in zip(*results, strict=True):
                 assert torch.equal(bits(a), bits(b))

@@ -41,17 +41,17 @@ def test_plain_functions_equal_the_operators(dtype, interleaved, conjugate, batc
         cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
     backend = ops.get("cpu")
     module, operators = backend.module, backend.operators()
-    for name in ("rotate_pair", "rotate"):
-        args = (q, k, cos, sin) if name == "rotate_pair" else (q, cos, sin)
+    for name in ("apply_rotary_qk", "apply_rotary"):
+        qk = name == "apply_rotary_qk"
+        args = (q, k, cos, sin) if qk else (q, cos, sin)
         plain = getattr(module, name)(*args, interleaved, conjugate)
         via_op = getattr(operators, name)(*args, interleaved, conjugate)
-        for a, b in zip(plain if name == "rotate_pair" else (plain,), via_op if name == "rotate_pair" else (via_op,),
-                        strict=True):
+        for a, b in zip(plain if qk else (plain,), via_op if qk else (via_op,), strict=True):
             assert a.dtype == dtype and torch.equal(bits(a), bits(b))
-        copies = [t.clone() for t in args[: 2 if name == "rotate_pair" else 1]]
+        copies = [t.clone() for t in args[: 2 if qk else 1]]
         inplace_args = (*copies, *args[len(copies):])
         getattr(module, name + "_")(*inplace_args, interleaved, conjugate)
-        for got, want in zip(copies, plain if name == "rotate_pair" else (plain,), strict=True):
+        for got, want in zip(copies, plain if qk else (plain,), strict=True):
             assert torch.equal(bits(got), bits(want))
 
 
@@ -69,15 +69,15 @@ def test_eager_call_skips_the_dispatcher_and_autograd_takes_the_operator():
     q, k = torch.randn(2, 4, 1, 32), torch.randn(2, 2, 1, 32)
     backend = ops.get("cpu")
     # the probe sees a dispatcher call: the operator door is recorded, the plain function is not
-    assert "ropekit_cpu::rotate_pair" in dispatched(lambda: backend.operators().rotate_pair(q, k, cos, sin, False,
-                                                                                             False))
+    assert "ropekit_cpu::apply_rotary_qk" in dispatched(lambda: backend.operators().apply_rotary_qk(q, k, cos, sin,
+                                                                                                     False, False))
     for inplace in (False, True, False, True):  # the second call of a signature takes the prepared call
         names = dispatched(lambda inplace=inplace: ropekit.apply_rotary_qk(q, k, cos, sin, inplace=inplace))
         assert not [n for n in names if n.startswith("ropekit")], names
     q_grad = q.clone().requires_grad_()
     holder = []
     names = dispatched(lambda: holder.append(ropekit.apply_rotary_qk(q_grad, k, cos, sin)))
-    assert "ropekit::rotate_pair" in names
+    assert "ropekit::apply_rotary_qk" in names
     holder[0][0].sum().backward()
     assert torch.equal(q_grad.grad, ropekit.apply_rotary(torch.ones_like(q), cos, -sin))
 
@@ -95,6 +95,6 @@ def test_compiled_graph_keeps_the_operator_and_matches_the_plain_call():
     eager = ropekit.apply_rotary_qk(q, k, cos, sin)
     compiled = torch.compile(lambda a, b: ropekit.apply_rotary_qk(a, b, cos, sin), fullgraph=True, backend=record)
     got = compiled(q, k)
-    assert any("ropekit.rotate_pair" in target for graph in graphs for target in graph), graphs
+    assert any("ropekit.apply_rotary_qk" in target for graph in graphs for target in graph), graphs
     for a, b in zip(got, eager, strict=True):
         assert torch.equal(a, b)

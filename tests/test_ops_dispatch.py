@@ -37,25 +37,25 @@ class RecordingBackend(Backend):
 
     def _rotate(self, x, cos, sin, layout, conjugate, inplace):
         cos, sin = eager.full_rank(x, cos, sin)
-        out = eager.rotate(x, cos.double(), sin.double(), layout=layout, conjugate=conjugate, inplace=inplace)
+        out = eager.apply_rotary(x, cos.double(), sin.double(), layout=layout, conjugate=conjugate, inplace=inplace)
         return out
 
-    def rotate(self, x, cos, sin, *, layout, conjugate, inplace):
-        self.calls.append("rotate")
+    def apply_rotary(self, x, cos, sin, *, layout, conjugate, inplace):
+        self.calls.append("apply_rotary")
         return self._rotate(x, cos, sin, layout, conjugate, inplace)
 
-    def rotate_pair(self, q, k, cos, sin, *, layout, conjugate, inplace):
-        self.calls.append("rotate_pair")
+    def apply_rotary_qk(self, q, k, cos, sin, *, layout, conjugate, inplace):
+        self.calls.append("apply_rotary_qk")
         return self._rotate(q, cos, sin, layout, conjugate, inplace), self._rotate(k, cos, sin, layout, conjugate,
                                                                                    inplace)
 
-    def rotate_positions(self, x, cos_table, sin_table, where, *, layout, conjugate, inplace):
-        self.calls.append("rotate_positions")
+    def rotate(self, x, cos_table, sin_table, where, *, layout, conjugate, inplace):
+        self.calls.append("rotate")
         rows = where.table_rows(x)
         return self._rotate(x, cos_table[rows], sin_table[rows], layout, conjugate, inplace)
 
-    def rotate_pair_positions(self, q, k, cos_table, sin_table, where, *, layout, conjugate, inplace):
-        self.calls.append("rotate_pair_positions")
+    def rotate_qk(self, q, k, cos_table, sin_table, where, *, layout, conjugate, inplace):
+        self.calls.append("rotate_qk")
         rows = where.table_rows(q)
         c, s = cos_table[rows], sin_table[rows]
         return self._rotate(q, c, s, layout, conjugate, inplace), self._rotate(k, c, s, layout, conjugate, inplace)
@@ -81,8 +81,7 @@ def test_a_registered_backend_gets_every_form_by_name(recording):
     by_pos = ropekit.rotate(q, cos_table, sin_table, offsets=3, seq_dim=2, backend="recording")
     by_pos_pair = ropekit.rotate_qk(q, k, cos_table, sin_table, offsets=3, seq_dim=2, backend="recording")
     module = ropekit.RotaryEmbedding(16, backend="recording")(q, k, offset=3)
-    assert recording.calls == ["rotate", "rotate_pair", "rotate_positions", "rotate_pair_positions",
-                               "rotate_pair_positions"]
+    assert recording.calls == ["apply_rotary", "apply_rotary_qk", "rotate", "rotate_qk", "rotate_qk"]
     for got, x, shift in ((out, q, 0), (pair[0], q, 0), (pair[1], k, 0), (by_pos, q, 3), (by_pos_pair[0], q, 3),
                           (by_pos_pair[1], k, 3), (module[0], q, 3), (module[1], k, 3)):
         torch.testing.assert_close(got, reference_rotation(x, rows + shift, inv_freq, "half"), rtol=0, atol=1e-6)
@@ -91,21 +90,21 @@ def test_a_registered_backend_gets_every_form_by_name(recording):
     recording.calls.clear()
     (grad,) = torch.autograd.grad(ropekit.rotate(q_leaf, cos_table, sin_table, seq_dim=2, backend="recording").sum(),
                                   q_leaf)
-    assert recording.calls == ["rotate_positions", "rotate_positions"]
+    assert recording.calls == ["rotate", "rotate"]
     torch.testing.assert_close(grad, reference_rotation(torch.ones_like(q), rows, -inv_freq, "half"), rtol=0,
                                atol=1e-6)
 
 
 def test_default_forms_of_a_minimal_backend(recording):
-    """A backend with only ``rotate`` gets pairs (two calls) and positions (a gather) from the base class."""
+    """A backend with only ``apply_rotary`` gets q/k (two calls) and positions (a gather) from the base class."""
 
     class Minimal(Backend):
         def __init__(self):
             self.calls = 0
 
-        def rotate(self, x, cos, sin, *, layout, conjugate, inplace):
+        def apply_rotary(self, x, cos, sin, *, layout, conjugate, inplace):
             self.calls += 1
-            return eager.EagerBackend().rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+            return eager.EagerBackend().apply_rotary(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
 
     minimal = Minimal()
     ops.register("recording", minimal)
@@ -127,31 +126,10 @@ def test_register_checks_its_arguments():
         ropekit.apply_rotary(torch.randn(2, 8), torch.ones(2, 4), torch.zeros(2, 4), backend="nope")
 
 
-def test_register_of_a_bare_function_still_works_with_a_deprecation_warning():
-    calls = []
-
-    def rotate(x, cos, sin, *, layout, conjugate, inplace):
-        calls.append(layout)
-        return eager.rotate(x, *eager.full_rank(x, cos, sin), layout=layout, conjugate=conjugate, inplace=inplace)
-
-    with pytest.warns(DeprecationWarning, match="Backend"):
-        ropekit.backends.register("legacy", rotate)
-    try:
-        q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
-        cos, sin = ropekit.cos_sin(torch.arange(3), ropekit.inv_frequencies(8)[0])
-        got = ropekit.apply_rotary_qk(q, k, cos[:, None], sin[:, None], backend="legacy")
-        assert calls == ["half", "half"] and "legacy" in ropekit.backends.available()
-        want = ropekit.apply_rotary_qk(q, k, cos[:, None], sin[:, None], backend="torch")
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    finally:
-        ops.dispatch._BACKENDS.pop("legacy", None)
-
-
 def test_auto_picks_by_device():
     assert ops.resolve("auto", "cpu") == ("cpu" if "cpu" in ops.available() else "torch")
     assert ops.resolve("auto", "meta") == "torch"
     assert ops.resolve("torch", "cpu") == "torch"
-    assert sorted(set(ropekit.backends.available())) == ops.available()
 
 
 @pytest.mark.skipif("cpu" not in ops.available(), reason="C++ CPU kernel unavailable")
@@ -166,9 +144,9 @@ def test_compile_fullgraph_keeps_the_cpp_kernel_in_the_graph(monkeypatch):
 
     cpu = ops.get("cpu")
     calls = []
-    real_pair, real_rotate = cpu._pair, cpu._rotate
-    monkeypatch.setattr(cpu, "_pair", lambda *args: calls.append("pair") or real_pair(*args))
-    monkeypatch.setattr(cpu, "_rotate", lambda *args: calls.append("rotate") or real_rotate(*args))
+    real_qk, real_one = cpu._qk, cpu._one
+    monkeypatch.setattr(cpu, "_qk", lambda *args: calls.append("qk") or real_qk(*args))
+    monkeypatch.setattr(cpu, "_one", lambda *args: calls.append("one") or real_one(*args))
     inv_freq = ropekit.inv_frequencies(32)[0]
     cos, sin = ropekit.cos_sin(torch.arange(7), inv_freq)
 
@@ -180,9 +158,9 @@ def test_compile_fullgraph_keeps_the_cpp_kernel_in_the_graph(monkeypatch):
     got = torch.compile(step, fullgraph=True, backend=recording_backend)(q, k, x)
     assert len(graphs) == 1
     nodes = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "ropekit" in str(n.target)]
-    assert [str(n.target) for n in nodes] == ["ropekit.rotate_pair", "ropekit.rotate"]
+    assert [str(n.target) for n in nodes] == ["ropekit.apply_rotary_qk", "ropekit.apply_rotary"]
     assert all(n.args[-1] == "cpu" for n in nodes)  # "auto" resolved to the C++ kernel while tracing
-    assert calls == ["pair", "rotate"]
+    assert calls == ["qk", "one"]
     rows = torch.arange(7).reshape(1, 1, 7)
     for out, inp, layout in ((got[0], q, "interleaved"), (got[1], k, "interleaved"), (got[2], x, "half")):
         torch.testing.assert_close(out.double(), reference_rotation(inp, rows[0] if inp.dim() == 3 else rows,
@@ -284,8 +262,8 @@ def test_registering_again_replaces_prepared_calls(recording):
     cos, sin = ropekit.cos_sin(torch.arange(3), ropekit.inv_frequencies(8)[0])
     for _ in range(2):  # the second call is a prepared one
         ropekit.apply_rotary(x, cos, sin, backend="recording")
-    assert recording.calls == ["rotate", "rotate"]
+    assert recording.calls == ["apply_rotary", "apply_rotary"]
     replacement = RecordingBackend()
     ops.register("recording", replacement)
     ropekit.apply_rotary(x, cos, sin, backend="recording")
-    assert recording.calls == ["rotate", "rotate"] and replacement.calls == ["rotate"]
+    assert recording.calls == ["apply_rotary", "apply_rotary"] and replacement.calls == ["apply_rotary"]

@@ -36,7 +36,7 @@ def config(name):
 def assert_tables(cos, sin, positions, plan, atol):
     """diffusers' full-width interleaved (cos, sin) against ropekit's half-width tables of the same positions."""
     assert torch.equal(cos[..., 0::2], cos[..., 1::2]) and torch.equal(sin[..., 0::2], sin[..., 1::2])
-    ours_cos, ours_sin = ropekit.cos_sin(positions, plan)
+    ours_cos, ours_sin = plan.cos_sin(positions)
     torch.testing.assert_close(ours_cos, cos[..., 0::2].float(), rtol=0, atol=atol)
     torch.testing.assert_close(ours_sin, sin[..., 0::2].float(), rtol=0, atol=atol)
 
@@ -53,7 +53,7 @@ def test_flux_pos_embed_and_apply():
     # applied as FluxAttnProcessor does: (batch, seq, heads, head_dim), sequence_dim=1
     x = torch.randn(2, ids.shape[0], 3, 128)
     expected = apply_rotary_emb(x, (cos, sin), sequence_dim=1)
-    ours_cos, ours_sin = ropekit.cos_sin(ids, rope.axis_plan())
+    ours_cos, ours_sin = rope.axis_plan().cos_sin(ids)
     got = ropekit.apply_rotary(x, ours_cos[:, None], ours_sin[:, None], layout=rope.layout)
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
 
@@ -105,7 +105,7 @@ def test_apply_rotary_emb_pairings_are_ropekit_layouts():
     # use_real_unbind_dim=-1 (Flux, CogVideoX, HunyuanVideo) is "interleaved"; -2 with cat([c, c]) tables is "half"
     plan = named_plan("cogvideox", head_dim=64)
     positions = patch_grid((2, 3, 4))
-    cos, sin = ropekit.cos_sin(positions, plan)
+    cos, sin = plan.cos_sin(positions)
     x = torch.randn(1, 2, 24, 64)
     interleaved = apply_rotary_emb(x, (cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)))
     torch.testing.assert_close(ropekit.apply_rotary(x, cos, sin, layout="interleaved"), interleaved, rtol=0, atol=2e-6)

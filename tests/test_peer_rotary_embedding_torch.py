@@ -29,7 +29,7 @@ def test_axial_freqs_and_apply(freqs_for):
     torch.testing.assert_close(plan.angles(positions).reshape(H, W, D), angles[..., 0::2].double(), rtol=0, atol=atol)
     t = torch.randn(2, H, W, 2 * D + 4)
     expected = ret.apply_rotary_emb(angles, t)
-    cos, sin = ropekit.cos_sin(positions.reshape(H, W, 2), plan)
+    cos, sin = plan.cos_sin(positions.reshape(H, W, 2))
     got = ropekit.apply_rotary(t, cos, sin, layout="interleaved")
     torch.testing.assert_close(got, expected, rtol=0, atol=atol * 20)
     assert torch.equal(got[..., 2 * D:], t[..., 2 * D:])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.multiaxis import axial_pixel, dinov3, eva02, mrope, patch_grid, rope_vit_axial
+from ropekit.multiaxis import axial_pixel, mrope, named_plan, patch_grid
 from ropekit.nn import MixedRotaryEmbedding
 from timm_layers import pos_embed_sincos
 
@@ -25,7 +25,7 @@ def assert_tables(sin, cos, positions, plan, half, atol=1e-6):
     """timm's full-width (sin, cos) against ropekit's half-width tables."""
     pairs = plan.pairs
     sin_h, cos_h = (sin[..., :pairs], cos[..., :pairs]) if half else (sin[..., 0::2], cos[..., 0::2])
-    ours_cos, ours_sin = ropekit.cos_sin(positions, plan)
+    ours_cos, ours_sin = plan.cos_sin(positions)
     torch.testing.assert_close(ours_cos, cos_h.float(), rtol=0, atol=atol)
     torch.testing.assert_close(ours_sin, sin_h.float(), rtol=0, atol=atol)
 
@@ -36,11 +36,11 @@ def test_eva02_cat_embedding_and_apply(rotate_half):
                                       rotate_half=rotate_half)
     emb = rope.get_embed()  # (H*W, 2*DIM) = cat(sin, cos)
     sin, cos = emb.chunk(2, -1)
-    plan, positions = eva02(DIM), patch_grid((H, W))
+    plan, positions = named_plan("eva02", head_dim=DIM), patch_grid((H, W))
     assert_tables(sin, cos, positions, plan, rotate_half)
     x = torch.randn(2, 3, H * W, DIM)
     layout = "half" if rotate_half else "interleaved"
-    ours_cos, ours_sin = ropekit.cos_sin(positions, plan)
+    ours_cos, ours_sin = plan.cos_sin(positions)
     torch.testing.assert_close(ropekit.apply_rotary(x, ours_cos, ours_sin, layout=layout),
                                timm_pe.apply_rot_embed_cat(x, emb, half=rotate_half), rtol=0, atol=5e-6)
 
@@ -48,13 +48,13 @@ def test_eva02_cat_embedding_and_apply(rotate_half):
 def test_xy_indexing_and_prefix_tokens_as_eva_attention():
     rope = timm_pe.RotaryEmbeddingCat(DIM, in_pixels=False, feat_shape=[H, W], temperature=100.0, grid_indexing="xy")
     emb = rope.get_embed()
-    plan, positions = rope_vit_axial(DIM, 100.0), patch_grid((H, W), indexing="xy")
+    plan, positions = named_plan("rope-vit-axial", head_dim=DIM, base=100.0), patch_grid((H, W), indexing="xy")
     assert_tables(*emb.chunk(2, -1), positions, plan, half=False)
     # Eva's attention rotates q[:, :, npt:] only; ropekit gives the prefix tokens position 0 (the identity)
     npt = 2
     q = torch.randn(1, 2, npt + H * W, DIM)
     expected = torch.cat([q[:, :, :npt], timm_pe.apply_rot_embed_cat(q[:, :, npt:], emb)], dim=2)
-    cos, sin = ropekit.cos_sin(patch_grid((H, W), indexing="xy", prefix_tokens=npt), plan)
+    cos, sin = plan.cos_sin(patch_grid((H, W), indexing="xy", prefix_tokens=npt))
     torch.testing.assert_close(ropekit.apply_rotary(q, cos, sin, layout="interleaved"), expected, rtol=0, atol=5e-6)
 
 
@@ -62,7 +62,7 @@ def test_ref_feat_shape_is_interpolation():
     ref = [4, 4]  # EVA-02 fine-tuned at another resolution: positions rescaled onto the trained grid
     rope = timm_pe.RotaryEmbeddingCat(DIM, in_pixels=False, feat_shape=[H, W], ref_feat_shape=ref, grid_offset=0.5)
     positions = patch_grid((H, W), offset=0.5, trained_shape=ref, resize="interpolate")
-    assert_tables(*rope.get_embed().chunk(2, -1), positions, eva02(DIM), half=False)
+    assert_tables(*rope.get_embed().chunk(2, -1), positions, named_plan("eva02", head_dim=DIM), half=False)
 
 
 @pytest.mark.parametrize("linear", [True, False])
@@ -76,7 +76,8 @@ def test_pixel_bands(linear):
 def test_dinov3_centered_coordinates_half_layout():
     rope = timm_pe.RotaryEmbeddingDinoV3(DIM, temperature=100.0, feat_shape=[H, W])
     sin, cos = rope.get_embed().chunk(2, -1)
-    assert_tables(sin, cos, patch_grid((H, W), kind="centered"), dinov3(DIM, 100.0), half=True)
+    assert_tables(sin, cos, patch_grid((H, W), kind="centered"), named_plan("dinov3", head_dim=DIM, base=100.0),
+                 half=True)
 
 
 def test_mrope_for_vision_is_the_qwen3_interleave():

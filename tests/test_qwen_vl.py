@@ -55,11 +55,11 @@ def test_plan_of_published_config_reproduces_the_text_rotary_module(kind):
     angles32 = positions.permute(1, 2, 0).float()[..., plan.axis] * rotary.inv_freq.float()
     assert torch.equal(angles32.cos(), cos[..., :half]) and torch.equal(angles32.sin(), sin[..., :half])
     # and ropekit's float64 tables differ only by transformers' float32 angles (|angle| <= 5000 rad)
-    ours_cos, ours_sin = ropekit.cos_sin(positions.permute(1, 2, 0), plan)
+    ours_cos, ours_sin = plan.cos_sin(positions.permute(1, 2, 0))
     torch.testing.assert_close(ours_cos, cos[..., :half], rtol=0, atol=1e-3)
     torch.testing.assert_close(ours_sin, sin[..., :half], rtol=0, atol=1e-3)
     small = positions % 64  # small angles: transformers' float32 inv_freq and angles cost a few ulp of 64 rad
-    ours_cos, _ = ropekit.cos_sin(small.permute(1, 2, 0), plan)
+    ours_cos, _ = plan.cos_sin(small.permute(1, 2, 0))
     torch.testing.assert_close(ours_cos, rotary(torch.zeros(1), small)[0][..., :half], rtol=0, atol=1e-5)
 
 
@@ -76,7 +76,7 @@ def test_yarn_with_mrope_sections_scales_like_transformers():
     assert plan.attention_scale == pytest.approx(rotary.attention_scaling, rel=1e-6) and plan.attention_scale > 1.1
     positions = torch.randint(0, 200, (3, 1, 9))
     cos, _ = rotary(torch.zeros(1), positions)
-    torch.testing.assert_close(ropekit.cos_sin(positions.permute(1, 2, 0), plan)[0], cos[..., :64], rtol=0, atol=3e-5)
+    torch.testing.assert_close(plan.cos_sin(positions.permute(1, 2, 0))[0], cos[..., :64], rtol=0, atol=3e-5)
 
 
 def test_text_only_ids_give_1d_rope():
@@ -85,7 +85,7 @@ def test_text_only_ids_give_1d_rope():
     plan = RopeConfig.from_hf(published("qwen3_vl")[0]).axis_plan()
     positions = torch.arange(300)[None]
     one_d = ropekit.cos_sin(positions, plan.inv_freq)
-    multi = ropekit.cos_sin(positions[..., None].expand(1, 300, 3), plan)
+    multi = plan.cos_sin(positions[..., None].expand(1, 300, 3))
     assert torch.equal(one_d[0], multi[0]) and torch.equal(one_d[1], multi[1])
     assert torch.equal(rotary(torch.zeros(1), positions)[0], rotary(torch.zeros(1), positions.expand(3, 1, 300))[0])
 
@@ -94,13 +94,13 @@ def test_vision_tower_rotary_is_the_two_halves_plan_in_merge_block_order():
     # left alone by the patch, but representable: pairs [0, d/4) on the row, [d/4, d/2) on the column
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLVisionRotaryEmbedding
 
-    from ropekit.multiaxis import qwen_vl_vision, vision_patch_positions
+    from ropekit.multiaxis import named_plan, vision_patch_positions
 
     rotary = Qwen2VLVisionRotaryEmbedding(qv.transformers.Qwen2VLVisionConfig(embed_dim=1280, num_heads=16))
     grid = torch.tensor([[2, 4, 6], [1, 6, 4]])
     positions = vision_patch_positions(grid, 2)
     cos, sin = rotary(torch.zeros(1), positions)  # (N, 80), half layout
-    ours_cos, ours_sin = ropekit.cos_sin(positions, qwen_vl_vision(80))
+    ours_cos, ours_sin = named_plan("qwen-vl-vision", head_dim=80).cos_sin(positions)
     torch.testing.assert_close(ours_cos, cos[:, :40], rtol=0, atol=1e-6)
     torch.testing.assert_close(ours_sin, sin[:, :40], rtol=0, atol=1e-6)
 

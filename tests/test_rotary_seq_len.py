@@ -59,7 +59,7 @@ def test_seq_len_sets_the_frequencies_of_the_rule_in_float64(positions, extra):
     seq_len = int(pos.max()) + 1 + extra
     rule = RULES["dynamic"]
     x = torch.randn(1, 2, len(positions), 16, dtype=torch.float64)
-    got = ropekit.RotaryEmbedding(16, scaling=rule).rotate(x, pos, seq_len=seq_len)
+    got = ropekit.RotaryEmbedding(16, scaling=rule).rotate_one(x, pos, seq_len=seq_len)
     inv_freq, scale = rule.compute(16, 10000.0, seq_len)
     assert scale == 1.0
     torch.testing.assert_close(got, ropekit.apply_reference(x, pos, inv_freq, layout="half"), rtol=0, atol=1e-6)
@@ -96,7 +96,7 @@ def test_seq_len_must_cover_the_positions():
     with pytest.raises(TypeError, match="seq_len must be None or an int >= 1, got float 32.0"):
         rope(q, k, pos, seq_len=32.0)
     with pytest.raises(ValueError, match="seq_len"):
-        rope.rotate(q, pos, seq_len=31)
+        rope.rotate_one(q, pos, seq_len=31)
     with pytest.raises(ValueError, match="shard_scheme applies to DTensor q and k only"):
         rope(q, k, pos, shard_scheme="zigzag")
 

@@ -20,8 +20,8 @@ import types
 import pytest
 import torch
 
-import ropekit
 from ropekit import RopeConfig
+from ropekit.config.rules import RULE_KEYS
 
 transformers = pytest.importorskip("transformers")
 rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
@@ -132,7 +132,7 @@ GRID = grid()
 
 
 def test_every_transformers_rope_type_is_implemented():
-    assert set(ROPE_INIT_FUNCTIONS) <= set(ropekit.scaling.RULE_KEYS)
+    assert set(ROPE_INIT_FUNCTIONS) <= set(RULE_KEYS)
     names = {config["rope_parameters" if "rope_parameters" in config else "rope_scaling"]["rope_type"]
              for _, config, _ in GRID}
     assert set(ROPE_INIT_FUNCTIONS) <= names

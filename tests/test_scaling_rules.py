@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ropekit
+from ropekit.config.rules import rope_type_of
 from ropekit.scaling import (
     NTK,
     DynamicNTK,
@@ -17,7 +18,6 @@ from ropekit.scaling import (
     LongRoPE,
     Proportional,
     YaRN,
-    rope_type_of,
     rule_from_dict,
 )
 

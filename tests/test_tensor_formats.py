@@ -67,7 +67,7 @@ def test_default_order_contradicted_by_positions_raises_with_the_format_that_fit
     with pytest.raises(ValueError, match=r"positions cover 5 tokens.*tensor_format='bshd'"):
         rope(q, q.clone(), torch.arange(5))
     with pytest.raises(ValueError, match=r"tensor_format='bshd'"):
-        rope.rotate(q, torch.arange(5))
+        rope.rotate_one(q, torch.arange(5))
     with pytest.raises(ValueError, match=r"tensor_format='bshd'"):
         XPosEmbedding(HEAD_DIM)(q, q.clone(), torch.arange(5))
 
@@ -139,7 +139,7 @@ def test_every_format_matches_the_oracle(fmt, batch, heads, seq, start, dtype, l
 
     rope = RotaryEmbedding(HEAD_DIM, layout=layout)
     check(*rope(q, k, positions, tensor_format=fmt))
-    check(rope.rotate(q, positions, tensor_format=fmt), None)
+    check(rope.rotate_one(q, positions, tensor_format=fmt), None)
     cos, sin = rope.tables(64)
     check(*rotate_qk(q, k, cos, sin, positions=positions, tensor_format=fmt, layout=layout))
     check(rotate(q, cos, sin, positions=positions, tensor_format=fmt, layout=layout), None)

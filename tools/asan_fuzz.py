@@ -6,8 +6,8 @@
    operators in the namespace ``ropekit_asan``) into a private temporary cache directory
    (``--build-dir`` keeps one between runs).
 2. Runs the fuzzer in a child process with the compiler's ``libasan`` preloaded: ``--calls``
-   seeded random calls of the ``torch.ops.ropekit_asan`` operators (rotate, rotate_, rotate_pair,
-   rotate_pair_, the rms_norm_rotate forms and their backward, rotate_into_cache contiguous with
+   seeded random calls of the ``torch.ops.ropekit_asan`` operators (apply_rotary, apply_rotary_,
+   apply_rotary_qk, apply_rotary_qk_, the rms_norm_rotary forms and their backward, rotate_into_cache contiguous with
    one start or per-row starts and paged, plan_rows) on random shapes, dtypes (float32, float64,
    bfloat16, float16), layouts, strides (permuted, sliced, channel-strided, empty) and tables that
    broadcast. Valid calls are compared with the float64 reference (:mod:`ropekit.ops.reference`;
@@ -198,13 +198,13 @@ class Fuzzer:
         raise Invalid(f"an invalid call was accepted ({self.kind})")
 
     # -- entry points
-    def case_rotate(self):
-        """rotate, rotate_, rotate_pair, rotate_pair_."""
+    def case_apply_rotary(self):
+        """apply_rotary, apply_rotary_, apply_rotary_qk, apply_rotary_qk_."""
         rng, ops = self.rng, self.ops
         dtype, (head_dim, h) = rng.choice(DTYPES), self.head()
         interleaved, conjugate = rng.random() < 0.5, rng.random() < 0.3
-        form = rng.choice(("rotate", "rotate_", "rotate_pair", "rotate_pair_"))
-        pair = form.startswith("rotate_pair")
+        form = rng.choice(("apply_rotary", "apply_rotary_", "apply_rotary_qk", "apply_rotary_qk_"))
+        pair = form.startswith("apply_rotary_qk")
         shape = self.shape(rng.randint(1, 5), head_dim)
         q = self.strided(shape, dtype)
         k = self.strided(shape, dtype) if pair else None
@@ -253,12 +253,12 @@ class Fuzzer:
         return c, c.clone()
 
     def case_norm(self):
-        """The rms_norm_rotate forms and their backward."""
+        """The rms_norm_rotary forms and their backward."""
         torch, rng, ops = self.torch, self.rng, self.ops
         dtype, (head_dim, h) = rng.choice(DTYPES), self.head()
         interleaved, per_token = rng.random() < 0.5, rng.random() < 0.5
-        form = rng.choice(("rms_norm_rotate", "rms_norm_rotate_", "rms_norm_rotate_pair", "rms_norm_rotate_pair_",
-                           "rms_norm_rotate_backward"))
+        form = rng.choice(("rms_norm_rotary", "rms_norm_rotary_", "rms_norm_rotary_qk", "rms_norm_rotary_qk_",
+                           "rms_norm_rotary_backward"))
         pair = "pair" in form
         shape = self.shape(rng.randint(2, 5), head_dim)
         wshape = shape[-2:] if per_token else shape[-1:]
@@ -270,12 +270,12 @@ class Fuzzer:
         cos, sin, positions, inv_freq = self.tables(shape[:-1], h)
         op = getattr(ops, form)
         if rng.random() < 0.25:
-            kind = rng.choice(("weight", "tables") + (("grad",) if form == "rms_norm_rotate_backward" else ()))
+            kind = rng.choice(("weight", "tables") + (("grad",) if form == "rms_norm_rotary_backward" else ()))
             self.kind = f"{form} {kind}"
             bad_weight = self.values([wshape[-1] + 1], "float32") if kind == "weight" else weight
             c, s = self.bad_tables(cos, sin, shape, h) if kind == "tables" else (cos, sin)
             opts = (eps, offset if bad_weight is not None else 0.0, per_token, interleaved)
-            if form == "rms_norm_rotate_backward":
+            if form == "rms_norm_rotary_backward":
                 grad = self.values(shape[:-1] + [head_dim + (2 if kind == "grad" else 0)], dtype)
                 self.refused(lambda: op(grad, x, bad_weight, c, s, *opts))
             elif pair:
@@ -285,7 +285,7 @@ class Fuzzer:
             return
         opts = (eps, offset, per_token, interleaved)
         w64 = None if weight is None else weight.to(torch.float64)
-        if form == "rms_norm_rotate_backward":
+        if form == "rms_norm_rotary_backward":
             grad = self.values(shape, dtype)
             x64 = x.to(torch.float64).requires_grad_(True)
             w_req = None if w64 is None else w64.clone().requires_grad_(True)
@@ -483,7 +483,7 @@ class Fuzzer:
 
     def run(self, calls: int) -> list[str]:
         """Make ``calls`` calls; the findings, one line each."""
-        cases = (self.case_rotate, self.case_rotate, self.case_norm, self.case_norm, self.case_cache,
+        cases = (self.case_apply_rotary, self.case_apply_rotary, self.case_norm, self.case_norm, self.case_cache,
                  self.case_cache, self.case_cache, self.case_plan_rows, self.case_slot_mapping)
         failures = []
         for i in range(calls):

@@ -43,7 +43,9 @@ _EXPORTS = {
     "LayoutEvidence": "rope.pairing",
     "detect_layout": "rope.pairing",
 }
-_SUBMODULES = ("backends", "distributed", "multiaxis", "ops", "scaling")
+_SUBMODULES = ("checkpoints", "distributed", "integrations", "multiaxis", "nn", "ops", "scaling")
+# deprecated public names (one release): old name -> (where the value lives now, what to write instead)
+_MOVED = {"backends": ("ropekit.ops", "ropekit.ops (available, register, get, resolve)")}
 
 __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "AxisPlan",
@@ -53,15 +55,17 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "apply_reference",
     "apply_rotary",
     "apply_rotary_qk",
-    "backends",
     "base_inv_freq",
     "channel_permutation",
+    "checkpoints",
     "convert_layout",
     "cos_sin",
-    "distributed",
     "detect_layout",
+    "distributed",
+    "integrations",
     "inv_frequencies",
     "multiaxis",
+    "nn",
     "ops",
     "permute_qk_weight",
     "rms_norm_rotary",
@@ -76,7 +80,7 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
 ]
 
 if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names are imported on first use
-    from . import backends, distributed, multiaxis, ops, scaling
+    from . import checkpoints, distributed, integrations, multiaxis, nn, ops, scaling
     from .config import RopeConfig
     from .config.rules import inv_frequencies
     from .functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
@@ -104,6 +108,12 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
     elif name == "__version__":
         value = _version()
+    elif name in _MOVED:
+        from ._deprecation import warn_once
+
+        home, new = _MOVED[name]
+        warn_once(f"ropekit.{name}", new)
+        return importlib.import_module(home)  # not cached: every use of the old name goes through here
     elif name in _SUBMODULES or importlib.util.find_spec(f"{__name__}.{name}") is not None:
         value = importlib.import_module(f"{__name__}.{name}")  # ropekit.nn, ropekit.functional, ... as before
     else:

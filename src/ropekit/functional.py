@@ -4,11 +4,12 @@
 - :func:`rotate` / :func:`rotate_qk`: full tables, each token's row looked up by position
   (per-token ``positions``, ``offsets``, packed ``cu_seqlens``), flash-attention's and vLLM's forms.
 
-``backend`` names a registered backend (:func:`ropekit.ops.available`); ``"auto"`` picks by
-device. Autograd: the gradient is the rotation by ``-theta`` (nothing of the inputs' size is
-saved); learned tables (``cos``/``sin`` requiring grad) take a composite path that
-differentiates them too. ``torch.compile(fullgraph=True)`` traces every entry point as one
-operator node.
+Each function calls the operator of its own name (``torch.ops.ropekit.<name>``), whose kernel is
+the backend method of that name (docs/api.md, "Vocabulary"). ``backend`` names a registered
+backend (:func:`ropekit.ops.available`); ``"auto"`` picks by device. Autograd: the gradient is
+the rotation by ``-theta`` (nothing of the inputs' size is saved); learned tables (``cos``/``sin``
+requiring grad) take a composite path that differentiates them too.
+``torch.compile(fullgraph=True)`` traces every entry point as one operator node.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import Tensor
 from .ops import operators, prepared, prepared_keys
 from .ops.dispatch import check_runs, resolve
 from .ops.dispatch import get as get_backend
-from .ops.eager import rotate_differentiable
+from .ops.eager import apply_rotary_differentiable
 from .ops.memory import check_not_shared
 from .ops.positions import check_shapes
 from .validation import check_float_tensor, check_inplace, check_layout, check_tables, resolve_seq_dim
@@ -86,12 +87,12 @@ def apply_rotary_qk(
     name = resolve(backend, q.device.type)
     check_runs(backend, name, {"q": q, "k": k})
     if k.dim() != q.dim():  # tables viewed for q do not fit k: one call each
-        return (operators.rotate(q, cos, sin, layout=layout, backend=name, inplace=inplace),
-                operators.rotate(k, cos, sin, layout=layout, backend=name, inplace=inplace))
+        return (operators.apply_rotary(q, cos, sin, layout=layout, backend=name, inplace=inplace),
+                operators.apply_rotary(k, cos, sin, layout=layout, backend=name, inplace=inplace))
     if operators.direct(q, k, cos, sin):
         prepared.keep(key, get_backend(name).prepared((q, k, cos, sin), layout=layout, inplace=inplace),
                       (q, k, cos, sin))
-    return operators.rotate_pair(q, k, cos, sin, layout=layout, backend=name, inplace=inplace)
+    return operators.apply_rotary_qk(q, k, cos, sin, layout=layout, backend=name, inplace=inplace)
 
 
 def apply_rotary(
@@ -146,13 +147,13 @@ def apply_rotary(
         check_not_shared({"x": x}, {"cos": cos, "sin": sin}, "inplace=True")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         if not inplace:
-            return rotate_differentiable(x, cos, sin, layout=layout)
-        return x.copy_(rotate_differentiable(x.clone(), cos, sin, layout=layout))
+            return apply_rotary_differentiable(x, cos, sin, layout=layout)
+        return x.copy_(apply_rotary_differentiable(x.clone(), cos, sin, layout=layout))
     name = resolve(backend, x.device.type)
     check_runs(backend, name, {"x": x})
     if operators.direct(x, cos, sin):
         prepared.keep(key, get_backend(name).prepared((x, cos, sin), layout=layout, inplace=inplace), (x, cos, sin))
-    return operators.rotate(x, cos, sin, layout=layout, backend=name, inplace=inplace)
+    return operators.apply_rotary(x, cos, sin, layout=layout, backend=name, inplace=inplace)
 
 
 def _unflatten_heads(t: Tensor, head_size: int, name: str) -> Tensor:
@@ -238,7 +239,7 @@ def rotate(
                         {"positions": positions, "offsets": offsets, "cu_seqlens": cu_seqlens})
     name = resolve(backend, x.device.type)
     check_runs(backend, name, {"x": x})
-    return operators.rotate_positions(x, cos_table, sin_table, where, layout=layout, backend=name, inplace=inplace)
+    return operators.rotate(x, cos_table, sin_table, where, layout=layout, backend=name, inplace=inplace)
 
 
 def rotate_qk(
@@ -310,5 +311,4 @@ def rotate_qk(
                         {"positions": positions, "offsets": offsets, "cu_seqlens": cu_seqlens})
     name = resolve(backend, q.device.type)
     check_runs(backend, name, {"q": q, "k": k})
-    return operators.rotate_pair_positions(q, k, cos_table, sin_table, where, layout=layout, backend=name,
-                                           inplace=inplace)
+    return operators.rotate_qk(q, k, cos_table, sin_table, where, layout=layout, backend=name, inplace=inplace)

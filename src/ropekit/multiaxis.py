@@ -1,59 +1,30 @@
-"""The public namespace of multi-axis RoPE: ``from ropekit.multiaxis import mrope, axial, patch_grid``.
+"""The public namespace of multi-axis RoPE: ``from ropekit.multiaxis import named_plan, mrope, axial, patch_grid``.
 
-Plans (:class:`AxisPlan`: per pair one frequency and one axis) and their builders live in
-:mod:`ropekit.rope.axes` and :mod:`ropekit.rope.plans`, positions in :mod:`ropekit.rope.grids` and
-:mod:`ropekit.rope.mrope_positions`; tables come from :func:`ropekit.cos_sin` (or
-:meth:`AxisPlan.cos_sin`) and go to the same :func:`ropekit.apply_rotary` / ``apply_rotary_qk`` /
-``rotate_qk`` as 1-D RoPE. See docs/multiaxis.md.
+- plans (:class:`AxisPlan`: per pair one frequency and one axis): the generic builders
+  :func:`mrope`, :func:`axial`, :func:`axial_pixel`, :func:`single_axis`, and the plans of named
+  models by name, :func:`named_plan` (``named_plan("flux")``, ``named_plan("wan", head_dim=128)``;
+  :data:`NAMED_PLANS` lists them, :data:`LAYOUTS` gives the pairing each is used with);
+- positions: :func:`patch_grid`, :func:`patch_grid_thw`, :func:`vision_patch_positions`,
+  :func:`vision_block_positions`, :func:`mrope_position_ids`, :func:`mrope_next_positions`;
+- angles of any frequency matrix (RoPE-Mixed): :func:`matrix_angles`.
+
+They live in :mod:`ropekit.rope.axes`, :mod:`ropekit.rope.plans`, :mod:`ropekit.rope.grids` and
+:mod:`ropekit.rope.mrope_positions`. Tables come from :meth:`AxisPlan.cos_sin` and go to the same
+:func:`ropekit.apply_rotary` / ``apply_rotary_qk`` / ``rotate_qk`` as 1-D RoPE. See docs/multiaxis.md.
 """
 
-from .rope.axes import (
-    DEFAULT_AXIS_NAMES,
-    AxisPlan,
-    axial,
-    axial_pixel,
-    default_axis_names,
-    matrix_angles,
-    mrope,
-    pixel_ladder,
-    single_axis,
-)
+from ._deprecation import module_getattr
+from .rope.axes import AxisPlan, axial, axial_pixel, matrix_angles, mrope, single_axis
 from .rope.grids import patch_grid, patch_grid_thw, vision_block_positions, vision_patch_positions
 from .rope.mrope_positions import mrope_next_positions, mrope_position_ids
-from .rope.plans import (
-    LAYOUTS,
-    NAMED_PLANS,
-    cogvideox,
-    cogvideox_axes_dims,
-    dinov3,
-    eva02,
-    flux,
-    flux2,
-    hunyuan_video,
-    named_plan,
-    qwen2_vl,
-    qwen3_vl,
-    qwen_vl_vision,
-    rope_vit_axial,
-    wan,
-    wan_axes_dims,
-)
+from .rope.plans import LAYOUTS, NAMED_PLANS, named_plan
 
 __all__ = [
-    "DEFAULT_AXIS_NAMES",
     "LAYOUTS",
     "NAMED_PLANS",
     "AxisPlan",
     "axial",
     "axial_pixel",
-    "cogvideox",
-    "cogvideox_axes_dims",
-    "default_axis_names",
-    "dinov3",
-    "eva02",
-    "flux",
-    "flux2",
-    "hunyuan_video",
     "matrix_angles",
     "mrope",
     "mrope_next_positions",
@@ -61,14 +32,37 @@ __all__ = [
     "named_plan",
     "patch_grid",
     "patch_grid_thw",
-    "pixel_ladder",
-    "qwen2_vl",
-    "qwen3_vl",
-    "qwen_vl_vision",
-    "rope_vit_axial",
     "single_axis",
     "vision_block_positions",
     "vision_patch_positions",
-    "wan",
-    "wan_axes_dims",
 ]
+
+# the model plans by name (0.x had one function each): old name -> key of NAMED_PLANS
+_PLAN_FUNCTIONS = {
+    "qwen2_vl": "qwen2-vl",
+    "qwen3_vl": "qwen3-vl",
+    "qwen_vl_vision": "qwen-vl-vision",
+    "eva02": "eva02",
+    "rope_vit_axial": "rope-vit-axial",
+    "dinov3": "dinov3",
+    "flux": "flux",
+    "flux2": "flux2",
+    "hunyuan_video": "hunyuan-video",
+    "wan": "wan",
+    "cogvideox": "cogvideox",
+}
+# the other 0.x names, now imported from their own modules
+_INTERNALS = {
+    "DEFAULT_AXIS_NAMES": "ropekit.rope.axes",
+    "default_axis_names": "ropekit.rope.axes",
+    "pixel_ladder": "ropekit.rope.axes",
+    "cogvideox_axes_dims": "ropekit.rope.plans",
+    "wan_axes_dims": "ropekit.rope.plans",
+}
+
+# one release: each old name warns once and names its replacement
+__getattr__ = module_getattr(__name__, {
+    **{old: (f"ropekit.rope.plans:{old}", f"ropekit.multiaxis.named_plan({key!r}, ...)")
+       for old, key in _PLAN_FUNCTIONS.items()},
+    **{old: (f"{home}:{old}", f"{home}.{old}") for old, home in _INTERNALS.items()},
+})

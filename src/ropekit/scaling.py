@@ -1,11 +1,15 @@
 """The public namespace of the scaling rules: ``from ropekit.scaling import YaRN``.
 
-The rules live in :mod:`ropekit.rope.scaling` (the maths layer); :func:`rule_from_dict`, which
-reads a ``config.json`` rope dict, lives in :mod:`ropekit.config.rules` (the only layer that parses
-dicts). Both are re-exported here under the names ropekit has always used.
+The rule classes, the base class every rule satisfies (:class:`ScalingRule`), the registry's
+entry points (:func:`register_rule` to add a rule, :func:`rule_class` and :func:`known_rope_types`
+to look them up by ``rope_type``) and :func:`rule_from_dict`, which reads a ``config.json`` rope
+dict. The rules live in :mod:`ropekit.rope.scaling` (the maths layer), :func:`rule_from_dict` in
+:mod:`ropekit.config.rules` (the only layer that parses dicts); helpers of either (``RULE_KEYS``,
+``ntk_base``, ...) are imported from there.
 """
 
-from .config.rules import PLAIN_ROPE_TYPES, RULE_KEYS, rope_type_of, rule_from_dict
+from ._deprecation import module_getattr
+from .config.rules import rule_from_dict
 from .rope.scaling import (
     NTK,
     DynamicNTK,
@@ -16,16 +20,12 @@ from .rope.scaling import (
     ScalingRule,
     YaRN,
     known_rope_types,
-    ntk_base,
     register_rule,
     rule_class,
-    yarn_mscale,
 )
 
 __all__ = [
     "NTK",
-    "PLAIN_ROPE_TYPES",
-    "RULE_KEYS",
     "DynamicNTK",
     "Linear",
     "Llama3",
@@ -34,10 +34,16 @@ __all__ = [
     "ScalingRule",
     "YaRN",
     "known_rope_types",
-    "ntk_base",
     "register_rule",
-    "rope_type_of",
     "rule_class",
     "rule_from_dict",
-    "yarn_mscale",
 ]
+
+# the internals this namespace re-exported in 0.x (one release): each warns once and names its home
+__getattr__ = module_getattr(__name__, {
+    "PLAIN_ROPE_TYPES": ("ropekit.config.rules:PLAIN_ROPE_TYPES", "ropekit.config.rules.PLAIN_ROPE_TYPES"),
+    "RULE_KEYS": ("ropekit.config.rules:RULE_KEYS", "ropekit.config.rules.RULE_KEYS"),
+    "rope_type_of": ("ropekit.config.rules:rope_type_of", "ropekit.config.rules.rope_type_of"),
+    "ntk_base": ("ropekit.rope.scaling:ntk_base", "ropekit.rope.scaling.ntk_base"),
+    "yarn_mscale": ("ropekit.rope.scaling:yarn_mscale", "ropekit.rope.scaling.yarn_mscale"),
+})

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..rope.frequencies import inv_frequencies as _rule_inv_frequencies
+from ..rope.frequencies import inv_freq_and_scale
 from ..rope.scaling.longrope import LongRoPE
 from ..rope.scaling.registry import RuleKeys, canonical_rope_type, known_rope_types, rule_class
 from ..validation import check_length
@@ -107,16 +107,29 @@ def inv_frequencies(
     *,
     seq_len: int | None = None,
 ) -> tuple[Any, float]:
-    """``(inv_freq, attention_scale)`` for a rotary dimension and a scaling rule or rope dict.
+    """``ropekit.inv_frequencies``: inverse frequencies and attention scale of a rotary dimension and scaling.
 
-    :func:`ropekit.rope.frequencies.inv_frequencies` (arguments, shapes and dtypes there), also
-    taking ``scaling`` as a ``config.json`` rope dict (``{"rope_type": "yarn", "factor": 4.0,
-    ...}``), which is mapped onto its rule by :func:`rule_from_dict`; a dict that describes plain
-    RoPE gives the plain frequencies. This is ``ropekit.inv_frequencies``.
+    Args:
+        rotary_dim: number of rotated channels (positive, even).
+        base: RoPE base ``b`` (``rope_theta`` in Hugging Face configs).
+        scaling: ``None`` for plain RoPE, a rule from :mod:`ropekit.scaling`, or a ``config.json``
+            rope dict (``{"rope_type": "yarn", "factor": 4.0, ...}``), mapped onto its rule by
+            :func:`rule_from_dict`; a dict that describes plain RoPE gives the plain frequencies.
+        seq_len: current sequence length; only rules that depend on it (dynamic NTK, LongRoPE) read it.
+
+    Returns:
+        ``(inv_freq, attention_scale)``: float64 tensor of shape ``(rotary_dim // 2,)`` and a Python
+        float that multiplies the cos/sin tables (1.0 for plain RoPE). The rule-object half is
+        :func:`ropekit.rope.frequencies.inv_freq_and_scale`.
+
+    Example:
+        >>> inv_freq, scale = inv_frequencies(4, 10000.0)
+        >>> inv_freq.tolist(), scale
+        ([1.0, 0.01], 1.0)
     """
     if isinstance(scaling, Mapping):
         if rope_type_of(scaling) in PLAIN_ROPE_TYPES and not set(scaling) & set().union(*RULE_KEYS.values()):
             scaling = None  # a rope dict that describes plain RoPE
         else:
             scaling = rule_from_dict(scaling)
-    return _rule_inv_frequencies(rotary_dim, base, scaling, seq_len=seq_len)
+    return inv_freq_and_scale(rotary_dim, base, scaling, seq_len=seq_len)

@@ -159,9 +159,9 @@ def rms_norm_rotary_qk(
     if operators_fused.direct_with_weights(q, k, cos, sin, weights=(q_weight, k_weight)):
         kernel = get_backend(name)
         options_of_kernel = {n: v for n, v in call.items() if n != "backend"}
-        prepared.keep(key, lambda *tensors: kernel.rms_norm_rotate_pair(*tensors, **options_of_kernel),
+        prepared.keep(key, lambda *tensors: kernel.rms_norm_rotary_qk(*tensors, **options_of_kernel),
                       (q, k, cos, sin, q_weight, k_weight))
-    return operators_fused.rms_norm_rotate_pair(q, k, q_weight, k_weight, cos, sin, **call)
+    return operators_fused.rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, **call)
 
 
 def rms_norm_rotary(
@@ -192,5 +192,5 @@ def rms_norm_rotary(
         check_not_shared({"x": x}, {"weight": weight, "cos": cos, "sin": sin}, "inplace=True")
     name = resolve(backend, x.device.type)
     check_runs(backend, name, {"x": x})
-    return operators_fused.rms_norm_rotate(x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
+    return operators_fused.rms_norm_rotary(x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
                                            per_token=per_token, layout=layout, backend=name, inplace=inplace)

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from ..config.rules import inv_frequencies
 from ..functional import apply_rotary, apply_rotary_qk
-from ..rope.frequencies import cos_sin, inv_frequencies
+from ..rope.frequencies import cos_sin
 from .bench_rows import COPY, INPLACE_PASS, ROUND_TRIP, format_table, judge
 from .precision import rotate_half
 

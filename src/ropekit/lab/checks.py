@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..config.rules import inv_frequencies
 from ..functional import apply_rotary
 from ..ops.reference import apply_reference, rotation_matrix
-from ..rope.frequencies import cos_sin, inv_frequencies
+from ..rope.frequencies import cos_sin
 from ..rope.layouts import permute_qk_weight
 
 

@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
+from ..config.rules import inv_frequencies
 from ..ops.reference import apply_reference
 from ..rope.analysis import similarity_margin
-from ..rope.frequencies import base_inv_freq, inv_frequencies
+from ..rope.frequencies import base_inv_freq
 from ..rope.scaling import NTK, DynamicNTK, Linear, Llama3, YaRN
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._deprecation import deprecated_method
 from ..config.rules import inv_frequencies
 from ..functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
 from ..ops.positions import qk_axes
@@ -319,7 +320,7 @@ class RotaryEmbedding(nn.Module):
             return cos, sin, {"offsets": offset.to(x.device).reshape(-1)}
         return cos, sin, {"offsets": offset}
 
-    def rotate(
+    def rotate_one(
         self,
         x: torch.Tensor,
         positions: torch.Tensor | None = None,
@@ -331,7 +332,11 @@ class RotaryEmbedding(nn.Module):
         seq_len: int | None = None,
         shard_scheme: str | None = None,
     ) -> torch.Tensor:
-        """Rotate one tensor ``x`` (a query or a key); arguments as in :meth:`forward`."""
+        """Rotate one tensor ``x`` (a query or a key) by its tokens' positions; arguments as in :meth:`forward`.
+
+        The module's form of :meth:`forward` for one tensor (``forward(q, None)`` calls it); the
+        functional forms are :func:`ropekit.rotate` (by position) and :func:`ropekit.apply_rotary`.
+        """
         seq_dim = order_of(x, None, positions, tensor_format, seq_dim)
         if is_dtensor(x) or shard_scheme is not None:
             return self._forward_dtensor(x, None, positions, offset, seq_dim, inplace, seq_len, shard_scheme)[0]
@@ -341,6 +346,8 @@ class RotaryEmbedding(nn.Module):
                           backend=self.backend)
         cos, sin = self._broadcast_tables(x, positions, offset, seq_dim, seq_len)
         return apply_rotary(x, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
+
+    rotate = deprecated_method("rotate_one", "ropekit.RotaryEmbedding.rotate", "ropekit.RotaryEmbedding.rotate_one")
 
     def forward(
         self,
@@ -394,7 +401,7 @@ class RotaryEmbedding(nn.Module):
         if is_dtensor(q) or is_dtensor(k) or shard_scheme is not None:
             return self._forward_dtensor(q, k, positions, offset, seq_dim, inplace, seq_len, shard_scheme)
         if k is None:
-            return self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len), None
+            return self.rotate_one(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len), None
         if k.shape[seq_dim] != q.shape[seq_dim]:
             raise ValueError(
                 f"q and k must have the same length along seq_dim={seq_dim}, got {q.shape[seq_dim]} and "
@@ -403,8 +410,8 @@ class RotaryEmbedding(nn.Module):
         if k.shape[-1] != self.head_dim:
             raise ValueError(f"k has head_dim {k.shape[-1]}, this RotaryEmbedding was built for {self.head_dim}")
         if k.dim() != q.dim() or k.shape[0] != q.shape[0] or k.dtype != q.dtype:  # not one call: one each
-            return (self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len),
-                    self.rotate(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len))
+            return (self.rotate_one(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len),
+                    self.rotate_one(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len))
         if 2 <= q.dim() <= 4:
             cos, sin, where = self._table_rows(q, positions, offset, seq_dim, seq_len)
             return rotate_qk(q, k, cos, sin, **where, seq_dim=seq_dim, layout=self.layout, inplace=inplace,

@@ -147,7 +147,7 @@ class XPosEmbedding(RotaryEmbedding):
             return rotated.mul_(factor)
         return (rotated.to(factor.dtype) * factor).to(x.dtype)
 
-    def rotate(
+    def rotate_one(
         self,
         x: torch.Tensor,
         positions: torch.Tensor | None = None,
@@ -163,7 +163,7 @@ class XPosEmbedding(RotaryEmbedding):
         """Rotate and scale one tensor: as a query (``zeta^((n-c)/B)``), or as a key with ``key=True``."""
         _plain(x, None, shard_scheme)
         seq_dim = order_of(x, None, positions, tensor_format, seq_dim)
-        rotated = super().rotate(x, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len)
+        rotated = super().rotate_one(x, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len)
         return self._scaled(x, rotated, positions, offset, seq_dim, key, inplace)
 
     def forward(
@@ -188,7 +188,7 @@ class XPosEmbedding(RotaryEmbedding):
         _plain(q, k, shard_scheme)
         seq_dim = order_of(q, k, positions, tensor_format, seq_dim)
         if k is None:
-            return self.rotate(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len), None
+            return self.rotate_one(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len), None
         rq, rk = super().forward(q, k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len)
         return (self._scaled(q, rq, positions, offset, seq_dim, False, inplace),
                 self._scaled(k, rk, positions, offset, seq_dim, True, inplace))

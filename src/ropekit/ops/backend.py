@@ -7,42 +7,66 @@ channels past ``rotary_dim`` are copied (out of place) or left alone (in place).
 inputs are rotated themselves and returned; out of place, new tensors with the inputs' shapes,
 dtypes and (dense) strides are returned and the inputs are not touched.
 
-Forms (:mod:`ropekit.ops.operators` calls them after validating every argument):
+Forms, each method named like the public function and the ``torch.ops.ropekit`` operator of the
+same form (:mod:`ropekit.ops.operators` calls them after validating every argument):
 
-- ``rotate(x, cos, sin)``: tables of shape ``(..., rotary_dim // 2)`` with at most ``x.dim()``
+- ``apply_rotary(x, cos, sin)``: tables of shape ``(..., rotary_dim // 2)`` with at most ``x.dim()``
   dims, right-aligned against ``x.shape[:-1]``, each axis 1 or x's size (broadcast; views with
   stride 0 are fine; :func:`ropekit.ops.eager.full_rank` gives them ``x.dim()`` dims);
-- ``rotate_pair(q, k, cos, sin)``: q and k of one rank, tables fitting both (GQA: size 1 on
+- ``apply_rotary_qk(q, k, cos, sin)``: q and k of one rank, tables fitting both (GQA: size 1 on
   the heads axis);
-- ``rotate_positions(x, cos_table, sin_table, where)``: full ``(max_positions, rotary_dim // 2)``
+- ``rotate(x, cos_table, sin_table, where)``: full ``(max_positions, rotary_dim // 2)``
   tables, rows looked up per token as :class:`ropekit.ops.positions.Positions` says;
-- ``rotate_pair_positions(q, k, cos_table, sin_table, where)``;
-- the fused forms ``rms_norm_rotate``, ``rms_norm_rotate_pair`` (RMSNorm + rotation),
-  ``rms_norm_rotate_backward`` and ``rotate_into_cache`` (keys rotated, values copied, into
-  KV-cache slots), whose defaults compose torch ops with the backend's ``rotate``
+- ``rotate_qk(q, k, cos_table, sin_table, where)``;
+- the fused forms ``rms_norm_rotary``, ``rms_norm_rotary_qk`` (RMSNorm + rotation),
+  ``rms_norm_rotary_backward`` and ``rotate_into_cache`` (keys rotated, values copied, into
+  KV-cache slots), whose defaults compose torch ops with the backend's ``apply_rotary``
   (:mod:`ropekit.ops.fused_eager`).
 
 The rotation forms take the keywords ``layout`` (``"half"`` or ``"interleaved"``),
-``conjugate`` and ``inplace``. A subclass must implement :meth:`Backend.rotate`; the other forms default to it
-(two calls for a pair, an eager gather of the table rows for the by-position forms), so a new
-backend can start with one kernel and add native forms one by one. Register it with
-:func:`ropekit.ops.register`; it then gets autograd, ``torch.compile`` support and every public
-entry point (``apply_rotary``, ``apply_rotary_qk``, ``rotate``, ``rotate_qk``) by name.
+``conjugate`` and ``inplace``. A subclass must implement :meth:`Backend.apply_rotary`; the other
+forms default to it (two calls for q and k, an eager gather of the table rows for the by-position
+forms), so a new backend can start with one kernel and add native forms one by one. Register it
+with :func:`ropekit.ops.register`; it then gets autograd, ``torch.compile`` support and every
+public entry point (``apply_rotary``, ``apply_rotary_qk``, ``rotate``, ``rotate_qk``) by name.
+
+A subclass written against the 0.x method names (``rotate`` for the broadcast form,
+``rotate_pair``, ``rotate_positions``, ``rotate_pair_positions``, ``rms_norm_rotate``,
+``rms_norm_rotate_pair``, ``rms_norm_rotate_backward``) still works for one release: each old
+name it defines serves the new one, with one ``DeprecationWarning`` per name
+(:data:`LEGACY_METHODS`).
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
+from .._deprecation import warn_once
 from . import fused_eager
 from .positions import Positions
+
+#: The 0.x method names a subclass may still define (one release), and the form each now serves.
+LEGACY_METHODS = {
+    "rotate_pair": "apply_rotary_qk",
+    "rotate_positions": "rotate",
+    "rotate_pair_positions": "rotate_qk",
+    "rms_norm_rotate": "rms_norm_rotary",
+    "rms_norm_rotate_pair": "rms_norm_rotary_qk",
+    "rms_norm_rotate_backward": "rms_norm_rotary_backward",
+}
 
 
 class Backend:
     """Base class of the kernels behind ``backend=<name>`` (see the module docstring)."""
 
     name = "backend"
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        _adopt_legacy_methods(cls)
 
     def is_available(self) -> bool:
         """Whether the kernels can run in this process (may build or import them; never raises)."""
@@ -55,54 +79,55 @@ class Backend:
         """
         return None
 
-    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor, *, layout: str, conjugate: bool, inplace: bool) -> Tensor:
+    def apply_rotary(self, x: Tensor, cos: Tensor, sin: Tensor, *, layout: str, conjugate: bool,
+                     inplace: bool) -> Tensor:
         """Rotate ``x`` of shape ``(..., head_dim)`` with broadcast tables (see the module docstring)."""
-        raise NotImplementedError(f"backend {self.name!r} does not implement rotate")
+        raise NotImplementedError(f"backend {self.name!r} does not implement apply_rotary")
 
-    def rotate_pair(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, layout: str, conjugate: bool,
-                    inplace: bool) -> tuple[Tensor, Tensor]:
-        """Rotate q and k with the same broadcast tables; default: two :meth:`rotate` calls."""
-        return (self.rotate(q, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace),
-                self.rotate(k, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace))
+    def apply_rotary_qk(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, layout: str, conjugate: bool,
+                        inplace: bool) -> tuple[Tensor, Tensor]:
+        """Rotate q and k with the same broadcast tables; default: two :meth:`apply_rotary` calls."""
+        return (self.apply_rotary(q, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace),
+                self.apply_rotary(k, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace))
 
-    def rotate_positions(self, x: Tensor, cos_table: Tensor, sin_table: Tensor, where: Positions, *, layout: str,
-                         conjugate: bool, inplace: bool) -> Tensor:
-        """Rotate ``x`` by the table rows of its tokens; default: gather the rows, then :meth:`rotate`."""
+    def rotate(self, x: Tensor, cos_table: Tensor, sin_table: Tensor, where: Positions, *, layout: str,
+               conjugate: bool, inplace: bool) -> Tensor:
+        """Rotate ``x`` by the table rows of its tokens; default: gather the rows, then :meth:`apply_rotary`."""
         rows = where.table_rows(x)
-        return self.rotate(x, _gather(cos_table, rows), _gather(sin_table, rows), layout=layout,
-                           conjugate=conjugate, inplace=inplace)
+        return self.apply_rotary(x, _gather(cos_table, rows), _gather(sin_table, rows), layout=layout,
+                                 conjugate=conjugate, inplace=inplace)
 
-    def rotate_pair_positions(self, q: Tensor, k: Tensor, cos_table: Tensor, sin_table: Tensor, where: Positions, *,
-                              layout: str, conjugate: bool, inplace: bool) -> tuple[Tensor, Tensor]:
-        """:meth:`rotate_positions` for q and k; default: gather once, then :meth:`rotate_pair`."""
+    def rotate_qk(self, q: Tensor, k: Tensor, cos_table: Tensor, sin_table: Tensor, where: Positions, *,
+                  layout: str, conjugate: bool, inplace: bool) -> tuple[Tensor, Tensor]:
+        """:meth:`rotate` for q and k; default: gather once, then :meth:`apply_rotary_qk`."""
         rows = where.table_rows(q)
-        return self.rotate_pair(q, k, _gather(cos_table, rows), _gather(sin_table, rows), layout=layout,
-                                conjugate=conjugate, inplace=inplace)
+        return self.apply_rotary_qk(q, k, _gather(cos_table, rows), _gather(sin_table, rows), layout=layout,
+                                    conjugate=conjugate, inplace=inplace)
 
-    # -- the fused forms: defaults composed of torch ops and this backend's rotate (ops/fused_eager.py) --
-    def rms_norm_rotate(self, x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, *, eps: float,
+    # -- the fused forms: defaults composed of torch ops and this backend's apply_rotary (ops/fused_eager.py) --
+    def rms_norm_rotary(self, x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, *, eps: float,
                         weight_offset: float, per_token: bool, layout: str, inplace: bool) -> Tensor:
         """RMSNorm of ``x`` then its rotation, rounded once (see :mod:`ropekit.ops.fused_eager`).
 
         The norm spans the last axis (``per_token=False``; ``weight`` ``(head_dim,)``) or the
         last two (``weight`` ``(heads, head_dim)``); ``weight`` None means gains of 1.
-        Default: the norm in float32 with torch ops, then :meth:`rotate` of the float32 result.
+        Default: the norm in float32 with torch ops, then :meth:`apply_rotary` of the float32 result.
         """
         return fused_eager.norm_rotate(self, x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
                                        per_token=per_token, layout=layout, inplace=inplace)
 
-    def rms_norm_rotate_pair(self, q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None,
-                             cos: Tensor, sin: Tensor, *, eps: float, weight_offset: float, per_token: bool,
-                             layout: str, inplace: bool) -> tuple[Tensor, Tensor]:
-        """:meth:`rms_norm_rotate` of q and k with their own weights; default: two calls."""
+    def rms_norm_rotary_qk(self, q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None,
+                           cos: Tensor, sin: Tensor, *, eps: float, weight_offset: float, per_token: bool,
+                           layout: str, inplace: bool) -> tuple[Tensor, Tensor]:
+        """:meth:`rms_norm_rotary` of q and k with their own weights; default: two calls."""
         options = dict(eps=eps, weight_offset=weight_offset, per_token=per_token, layout=layout, inplace=inplace)
-        return (self.rms_norm_rotate(q, q_weight, cos, sin, **options),
-                self.rms_norm_rotate(k, k_weight, cos, sin, **options))
+        return (self.rms_norm_rotary(q, q_weight, cos, sin, **options),
+                self.rms_norm_rotary(k, k_weight, cos, sin, **options))
 
-    def rms_norm_rotate_backward(self, grad: Tensor, x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, *,
+    def rms_norm_rotary_backward(self, grad: Tensor, x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, *,
                                  eps: float, weight_offset: float, per_token: bool,
                                  layout: str) -> tuple[Tensor, Tensor | None]:
-        """``(grad_x, grad_weight)`` of :meth:`rms_norm_rotate` (``grad_weight`` None without a weight)."""
+        """``(grad_x, grad_weight)`` of :meth:`rms_norm_rotary` (``grad_weight`` None without a weight)."""
         return fused_eager.norm_rotate_backward(self, grad, x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
                                                 per_token=per_token, layout=layout)
 
@@ -142,16 +167,16 @@ class Backend:
     def prepared(self, tensors: tuple[Tensor, ...], *, layout: str, inplace: bool):
         """A call ``run(*tensors)`` for tensors of exactly these shapes, strides, dtypes and devices.
 
-        ``tensors`` is ``(x, cos, sin)`` (:meth:`rotate`) or ``(q, k, cos, sin)`` (:meth:`rotate_pair`).
-        ``ropekit.functional`` keeps it for a signature that passed every check (a decode loop
-        repeats one); a backend may return a leaner call than the default one here.
+        ``tensors`` is ``(x, cos, sin)`` (:meth:`apply_rotary`) or ``(q, k, cos, sin)``
+        (:meth:`apply_rotary_qk`). ``ropekit.functional`` keeps it for a signature that passed every
+        check (a decode loop repeats one); a backend may return a leaner call than the default one here.
         """
         if len(tensors) == 3:
             def run(x, cos, sin):
-                return self.rotate(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)
+                return self.apply_rotary(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)
         else:
             def run(q, k, cos, sin):
-                return self.rotate_pair(q, k, cos, sin, layout=layout, conjugate=False, inplace=inplace)
+                return self.apply_rotary_qk(q, k, cos, sin, layout=layout, conjugate=False, inplace=inplace)
         return run
 
     def __repr__(self) -> str:
@@ -161,3 +186,64 @@ class Backend:
 def _gather(table: Tensor, rows: Tensor) -> Tensor:
     """``table[rows]``: rows of shape ``(..., 1, ...)`` give tables of ``rows.dim() + 1`` dims."""
     return torch.index_select(table, 0, rows.reshape(-1)).reshape(*rows.shape, table.shape[-1])
+
+
+# -- subclasses written against the 0.x method names (one release) ------------------------------------------
+def _warn_legacy(old: str, new: str, stacklevel: int) -> None:
+    spelled = "rotate(x, cos, sin, ...) as the broadcast form" if old == "rotate" else f"{old}(...)"
+    warn_once(f"the Backend method {spelled}", f"{new}(...) (same arguments)", stacklevel=stacklevel)
+
+
+def _is_broadcast_rotate(method) -> bool:
+    """Whether ``rotate`` is the 0.x broadcast form ``rotate(self, x, cos, sin, *, ...)`` (no ``where``)."""
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) == 4 and not any(p.kind is p.VAR_POSITIONAL for p in parameters)
+
+
+def _adopt_legacy_methods(cls: type) -> None:
+    """Let ``cls``'s 0.x method names serve the new forms, with one DeprecationWarning per name.
+
+    ``rotate`` with three tensors was the broadcast form: it becomes ``apply_rotary``, and
+    ``cls.rotate`` then serves both the by-position form and the subclass's own 0.x calls
+    ``self.rotate(x, cos, sin, ...)`` (told apart by the ``where`` argument).
+    """
+    own = dict(vars(cls))  # before the loop adds the new names
+    for old, new in LEGACY_METHODS.items():
+        if old in own:
+            _warn_legacy(old, new, stacklevel=5)
+            if new not in own:
+                setattr(cls, new, own[old])
+    if "rotate" in own and _is_broadcast_rotate(own["rotate"]):
+        _warn_legacy("rotate", "apply_rotary", stacklevel=5)
+        if "apply_rotary" not in own:
+            cls.apply_rotary = own["rotate"]
+        by_position = own.get("rotate_positions") or super(cls, cls).rotate
+
+        def rotate(self, x, cos, sin, where=None, **options):
+            if where is None:  # the subclass's own 0.x call of the broadcast form
+                return self.apply_rotary(x, cos, sin, **options)
+            return by_position(self, x, cos, sin, where, **options)
+
+        rotate.__doc__ = Backend.rotate.__doc__
+        cls.rotate = rotate
+
+
+def _base_alias(old: str, new: str):
+    default = getattr(Backend, new)
+
+    def alias(self, *args, **kwargs):
+        _warn_legacy(old, new, stacklevel=4)
+        return default(self, *args, **kwargs)
+
+    alias.__name__ = old
+    alias.__doc__ = f"Deprecated: :meth:`{new}`'s default (a 0.x subclass's ``super().{old}(...)``)."
+    return alias
+
+
+for _old, _new in LEGACY_METHODS.items():
+    if _old != "rotate_positions":  # Backend.rotate is that form's default itself
+        setattr(Backend, _old, _base_alias(_old, _new))

@@ -281,7 +281,7 @@ def import_library(build: Build) -> types.ModuleType:
     """Load ``build``'s library as a Python extension module (once per process; later calls return it).
 
     Loading it registers the operators in ``torch.ops.<namespace>`` (its static initialisers) and
-    gives the same kernels as plain Python functions (``rotate``, ``rotate_pair``, ... of the
+    gives the same kernels as plain Python functions (``apply_rotary``, ``apply_rotary_qk``, ... of the
     module: no dispatcher between Python and the kernel).
     """
     module = sys.modules.get(build.name)

@@ -1,7 +1,7 @@
 """The C++ backend ``"cpu"``: the kernels of ``csrc/rotary_cpu.cpp`` (built by :mod:`.build`).
 
 The extension exposes each kernel twice, running the same C++ function: as a ``torch.ops``
-operator (``torch.ops.ropekit_cpu.rotate_pair``, ...) and as a plain Python function of the
+operator (``torch.ops.ropekit_cpu.apply_rotary_qk``, ...) and as a plain Python function of the
 extension module. This backend calls the plain functions: no dispatcher between Python and
 the kernel. Autograd and ``torch.compile`` see the ``ropekit::*`` operators of
 :mod:`.operators`, whose kernels are this backend's methods.
@@ -65,8 +65,9 @@ class CppBackend(Backend):
                     # few µs, most of it the call); autograd and torch.compile go through the
                     # ropekit::* operators of ops/operators.py, whose kernels are these methods
                     self.module = build.import_library(self.build)
-                    self._rotate, self._rotate_, self._pair, self._pair_ = (
-                        self.module.rotate, self.module.rotate_, self.module.rotate_pair, self.module.rotate_pair_)
+                    self._one, self._one_, self._qk, self._qk_ = (self.module.apply_rotary, self.module.apply_rotary_,
+                                                                  self.module.apply_rotary_qk,
+                                                                  self.module.apply_rotary_qk_)
                     self._ops = getattr(torch.ops, self.namespace)
                 except Exception as exc:  # noqa: BLE001 - any failure means "not available"
                     self.error = f"{type(exc).__name__}: {exc}"
@@ -89,32 +90,32 @@ class CppBackend(Backend):
         """See :class:`ropekit.ops.Backend`: strided CPU tensors of a kernel dtype."""
         return None if self.takes(x) else "strided CPU tensors of dtype float32, float64, bfloat16 or float16"
 
-    def rotate(self, x, cos, sin, *, layout, conjugate, inplace):
+    def apply_rotary(self, x, cos, sin, *, layout, conjugate, inplace):
         """See :class:`ropekit.ops.Backend`."""
         if self._ops is None:
             self.operators()
         if not (self.takes(x) and cos.layout is torch.strided and sin.layout is torch.strided):
-            return self._fallback.rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+            return self._fallback.apply_rotary(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
         if x.numel() == 0:  # any strides (an empty shard's gradient): nothing the kernel's layout checks need see
             return x if inplace else torch.empty_like(x)
         if inplace:
-            self._rotate_(x, cos, sin, layout == "interleaved", conjugate)
+            self._one_(x, cos, sin, layout == "interleaved", conjugate)
             return x
-        return self._rotate(x, cos, sin, layout == "interleaved", conjugate)
+        return self._one(x, cos, sin, layout == "interleaved", conjugate)
 
-    def rotate_pair(self, q, k, cos, sin, *, layout, conjugate, inplace):
+    def apply_rotary_qk(self, q, k, cos, sin, *, layout, conjugate, inplace):
         """See :class:`ropekit.ops.Backend`."""
         if self._ops is None:
             self.operators()
         if not (self.takes(q) and self.takes(k) and cos.layout is torch.strided and sin.layout is torch.strided):
-            return super().rotate_pair(q, k, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+            return super().apply_rotary_qk(q, k, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
         if q.numel() == 0 or k.numel() == 0:
-            return (self.rotate(q, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace),
-                    self.rotate(k, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace))
+            return (self.apply_rotary(q, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace),
+                    self.apply_rotary(k, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace))
         if inplace:
-            self._pair_(q, k, cos, sin, layout == "interleaved", conjugate)
+            self._qk_(q, k, cos, sin, layout == "interleaved", conjugate)
             return q, k
-        return self._pair(q, k, cos, sin, layout == "interleaved", conjugate)
+        return self._qk(q, k, cos, sin, layout == "interleaved", conjugate)
 
     def _takes_all(self, *tensors) -> bool:
         """Every tensor given (None skipped) is one the kernel takes (the first ones: those it writes)."""
@@ -123,37 +124,37 @@ class CppBackend(Backend):
         return all(t is None or (t.is_cpu and t.layout is torch.strided) for t in tensors) and tensors[0].dtype in \
             KERNEL_DTYPES
 
-    def rms_norm_rotate(self, x, weight, cos, sin, *, eps, weight_offset, per_token, layout, inplace):
+    def rms_norm_rotary(self, x, weight, cos, sin, *, eps, weight_offset, per_token, layout, inplace):
         """See :class:`ropekit.ops.Backend`."""
         if not self._takes_all(x, weight, cos, sin):
-            return super().rms_norm_rotate(x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
+            return super().rms_norm_rotary(x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
                                            per_token=per_token, layout=layout, inplace=inplace)
         args = (cos, sin, eps, weight_offset, per_token, layout == "interleaved")
         if inplace:
-            self.module.rms_norm_rotate_(x, weight, *args)
+            self.module.rms_norm_rotary_(x, weight, *args)
             return x
-        return self.module.rms_norm_rotate(x, weight, *args)
+        return self.module.rms_norm_rotary(x, weight, *args)
 
-    def rms_norm_rotate_pair(self, q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset, per_token, layout,
-                             inplace):
+    def rms_norm_rotary_qk(self, q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset, per_token, layout,
+                           inplace):
         """See :class:`ropekit.ops.Backend`."""
         if not (self._takes_all(q, q_weight, cos, sin) and self._takes_all(k, k_weight)):
-            return super().rms_norm_rotate_pair(q, k, q_weight, k_weight, cos, sin, eps=eps,
-                                                weight_offset=weight_offset, per_token=per_token, layout=layout,
-                                                inplace=inplace)
+            return super().rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, eps=eps,
+                                              weight_offset=weight_offset, per_token=per_token, layout=layout,
+                                              inplace=inplace)
         args = (cos, sin, eps, weight_offset, per_token, layout == "interleaved")
         if inplace:
-            self.module.rms_norm_rotate_pair_(q, k, q_weight, k_weight, *args)
+            self.module.rms_norm_rotary_qk_(q, k, q_weight, k_weight, *args)
             return q, k
-        return self.module.rms_norm_rotate_pair(q, k, q_weight, k_weight, *args)
+        return self.module.rms_norm_rotary_qk(q, k, q_weight, k_weight, *args)
 
-    def rms_norm_rotate_backward(self, grad, x, weight, cos, sin, *, eps, weight_offset, per_token,
+    def rms_norm_rotary_backward(self, grad, x, weight, cos, sin, *, eps, weight_offset, per_token,
                                  layout):
         """See :class:`ropekit.ops.Backend`."""
         if not self._takes_all(x, grad, weight, cos, sin):
-            return super().rms_norm_rotate_backward(grad, x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
+            return super().rms_norm_rotary_backward(grad, x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
                                                     per_token=per_token, layout=layout)
-        grad_x, grad_w = self.module.rms_norm_rotate_backward(grad, x, weight, cos, sin, eps, weight_offset,
+        grad_x, grad_w = self.module.rms_norm_rotary_backward(grad, x, weight, cos, sin, eps, weight_offset,
                                                               per_token, layout == "interleaved")
         return grad_x, (None if weight is None else grad_w)
 
@@ -190,22 +191,22 @@ class CppBackend(Backend):
         interleaved = layout == "interleaved"
         if len(tensors) == 3:
             if inplace:
-                rotate_ = self._rotate_
+                one_ = self._one_
 
                 def run(x, cos, sin):
-                    rotate_(x, cos, sin, interleaved, False)
+                    one_(x, cos, sin, interleaved, False)
                     return x
 
                 return run
-            rotate = self._rotate
-            return lambda x, cos, sin: rotate(x, cos, sin, interleaved, False)
+            one = self._one
+            return lambda x, cos, sin: one(x, cos, sin, interleaved, False)
         if inplace:
-            pair_ = self._pair_
+            qk_ = self._qk_
 
-            def run_pair(q, k, cos, sin):
-                pair_(q, k, cos, sin, interleaved, False)
+            def run_qk(q, k, cos, sin):
+                qk_(q, k, cos, sin, interleaved, False)
                 return q, k
 
-            return run_pair
-        pair = self._pair
-        return lambda q, k, cos, sin: pair(q, k, cos, sin, interleaved, False)
+            return run_qk
+        qk = self._qk
+        return lambda q, k, cos, sin: qk(q, k, cos, sin, interleaved, False)

@@ -46,7 +46,7 @@ def register(name: str, backend: Backend) -> None:
 
     Args:
         name: a new name, or a built-in one to replace (not ``"auto"``).
-        backend: a :class:`ropekit.ops.Backend` (at least its ``rotate`` form).
+        backend: a :class:`ropekit.ops.Backend` (at least its ``apply_rotary`` form).
     """
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"name must be a non-empty string other than 'auto', got {name!r}")

@@ -69,7 +69,7 @@ def _rows(table: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return table.narrow(0, start, length) if table.shape[0] != 1 else table
 
 
-def rotate(
+def apply_rotary(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -113,7 +113,7 @@ def rotate(
     return dest
 
 
-def rotate_differentiable(
+def apply_rotary_differentiable(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, layout: str
 ) -> torch.Tensor:
     """Out-of-place rotation built from differentiable ops (gradients reach cos/sin too).
@@ -143,10 +143,10 @@ def full_rank(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[to
 
 
 class EagerBackend(Backend):
-    """``backend="torch"``: :func:`rotate` on every device; pairs and positions by the defaults."""
+    """``backend="torch"``: :func:`apply_rotary` on every device; q/k and by-position forms by the defaults."""
 
     name = "torch"
 
-    def rotate(self, x, cos, sin, *, layout, conjugate, inplace):  # noqa: D102
+    def apply_rotary(self, x, cos, sin, *, layout, conjugate, inplace):  # noqa: D102
         cos, sin = full_rank(x, cos, sin)
-        return rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+        return apply_rotary(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)

@@ -5,10 +5,10 @@ RMSNorm + rotation of one row ``x`` of ``n`` channels (a head vector, or per tok
     r = 1 / sqrt(mean(x^2) + eps)        in float64 (squares of float32 values are exact there), rounded
                                          once to float32 (float64 for float64 x)
     y = (x * r) * g                      g = weight, weight_offset + weight (float32), or 1
-    out = rotate(y, cos, sin)            the backend's own rotation of the float32 y, then one
+    out = apply_rotary(y, cos, sin)      the backend's own rotation of the float32 y, then one
                                          rounding to x's dtype; channels past rotary_dim are y
 
-Its backward (``gy = rotate(grad, -theta)``, ``gyg = gy * g``)::
+Its backward (``gy = apply_rotary(grad, -theta)``, ``gyg = gy * g``)::
 
     grad_x = r * gyg - x * (r^3 * sum(gyg * x) / n)          grad_w = sum over rows of gy * x * r
 
@@ -56,9 +56,9 @@ def normalize(x: Tensor, weight: Tensor | None, *, eps: float, weight_offset: fl
 
 def norm_rotate(backend, x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, *, eps: float,
                 weight_offset: float, per_token: bool, layout: str, inplace: bool) -> Tensor:
-    """RMSNorm then ``backend.rotate`` of the float32 result, rounded once into ``x`` (in place) or a new tensor."""
+    """RMSNorm, then ``backend.apply_rotary`` of the float32 result, rounded once into ``x`` or a new tensor."""
     y = normalize(x, weight, eps=eps, weight_offset=weight_offset, per_token=per_token)
-    y = backend.rotate(y, cos, sin, layout=layout, conjugate=False, inplace=True)
+    y = backend.apply_rotary(y, cos, sin, layout=layout, conjugate=False, inplace=True)
     return x.copy_(y) if inplace else torch.empty_like(x).copy_(y)
 
 
@@ -69,7 +69,7 @@ def norm_rotate_backward(backend, grad: Tensor, x: Tensor, weight: Tensor | None
     work = compute_dtype(x.dtype)
     xf = x.to(work)
     r = inv_rms(xf, eps, per_token)
-    gy = backend.rotate(grad.to(work), cos, sin, layout=layout, conjugate=True, inplace=False)
+    gy = backend.apply_rotary(grad.to(work), cos, sin, layout=layout, conjugate=True, inplace=False)
     g = gains(weight, weight_offset, work)
     gyg = gy * g if g is not None else gy
     n = x.shape[-1] * (x.shape[-2] if per_token else 1)
@@ -85,13 +85,13 @@ def rotate_keys(backend, k: Tensor, cos: Tensor, sin: Tensor, *, k_weight: Tenso
                 weight_offset: float, per_token: bool, block_size: int, layout: str) -> Tensor:
     """The keys as the cache stores them: rotated (normalised first when ``eps`` is given)."""
     if eps is None:
-        return backend.rotate(k, cos, sin, layout=layout, conjugate=False, inplace=False)
+        return backend.apply_rotary(k, cos, sin, layout=layout, conjugate=False, inplace=False)
     if not per_token or block_size > 0:  # per head; or paged (tokens, kv_heads, head_dim): heads next to channels
-        return backend.rms_norm_rotate(k, k_weight, cos, sin, eps=eps, weight_offset=weight_offset,
+        return backend.rms_norm_rotary(k, k_weight, cos, sin, eps=eps, weight_offset=weight_offset,
                                        per_token=per_token, layout=layout, inplace=False)
     lead = (1,) * (k.dim() - cos.dim())  # (batch, kv_heads, seq, head_dim): the norm spans axes 1 and 3
     cos, sin = cos.view(*lead, *cos.shape), sin.view(*lead, *sin.shape)
-    out = backend.rms_norm_rotate(k.transpose(1, 2), k_weight, cos.transpose(1, 2), sin.transpose(1, 2), eps=eps,
+    out = backend.rms_norm_rotary(k.transpose(1, 2), k_weight, cos.transpose(1, 2), sin.transpose(1, 2), eps=eps,
                                   weight_offset=weight_offset, per_token=True, layout=layout, inplace=False)
     return out.transpose(1, 2)
 

@@ -1,18 +1,22 @@
 """The rotation forms as ``torch.library`` operators: schema, fake kernel and autograd, declared once.
 
-Operators (``torch.ops.ropekit.<name>``; a trailing underscore rotates its inputs in place)::
+Operators (``torch.ops.ropekit.<name>``, named like the public function of the same form and the
+:class:`~ropekit.ops.Backend` method that runs it; a trailing underscore rotates its inputs in place)::
 
-    rotate(Tensor x, Tensor cos, Tensor sin, str layout, bool conjugate, str backend) -> Tensor
-    rotate_(Tensor(a!) x, Tensor cos, Tensor sin, str layout, bool conjugate, str backend) -> ()
-    rotate_pair(Tensor q, Tensor k, Tensor cos, Tensor sin, str layout, bool conjugate, str backend)
+    apply_rotary(Tensor x, Tensor cos, Tensor sin, str layout, bool conjugate, str backend) -> Tensor
+    apply_rotary_(Tensor(a!) x, Tensor cos, Tensor sin, str layout, bool conjugate, str backend) -> ()
+    apply_rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, str layout, bool conjugate, str backend)
         -> (Tensor, Tensor)
-    rotate_pair_(Tensor(a!) q, Tensor(b!) k, ...same...) -> ()
-    rotate_positions(Tensor x, Tensor cos_table, Tensor sin_table, Tensor? positions, Tensor? offsets,
+    apply_rotary_qk_(Tensor(a!) q, Tensor(b!) k, ...same...) -> ()
+    rotate(Tensor x, Tensor cos_table, Tensor sin_table, Tensor? positions, Tensor? offsets,
         int offset, Tensor? cu_seqlens, int? max_seqlen, int seq_dim, str layout, bool conjugate,
         str backend) -> Tensor
-    rotate_positions_(Tensor(a!) x, ...same...) -> ()
-    rotate_pair_positions(Tensor q, Tensor k, ...as rotate_positions...) -> (Tensor, Tensor)
-    rotate_pair_positions_(Tensor(a!) q, Tensor(b!) k, ...) -> ()
+    rotate_(Tensor(a!) x, ...same...) -> ()
+    rotate_qk(Tensor q, Tensor k, ...as rotate...) -> (Tensor, Tensor)
+    rotate_qk_(Tensor(a!) q, Tensor(b!) k, ...) -> ()
+
+``apply_rotary*`` take tables already broadcast against x (cos/sin gathered per token);
+``rotate*`` take the full tables and look each token's row up by position.
 
 ``backend`` is a registered name (:mod:`.dispatch`; ``"auto"`` is resolved before the call), so
 one set of operators serves every backend, third-party ones included. Each operator's kernel
@@ -52,26 +56,26 @@ def _needs_grad(*tensors: Tensor) -> bool:
 
 
 # -- broadcast tables --------------------------------------------------------------------------
-@torch.library.custom_op("ropekit::rotate", mutates_args=())
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, layout: str, conjugate: bool, backend: str) -> Tensor:
-    return dispatch.get(backend).rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=False)
+@torch.library.custom_op("ropekit::apply_rotary", mutates_args=())
+def _apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, layout: str, conjugate: bool, backend: str) -> Tensor:
+    return dispatch.get(backend).apply_rotary(x, cos, sin, layout=layout, conjugate=conjugate, inplace=False)
 
 
-@torch.library.custom_op("ropekit::rotate_", mutates_args=("x",))
-def _rotate_(x: Tensor, cos: Tensor, sin: Tensor, layout: str, conjugate: bool, backend: str) -> None:
-    dispatch.get(backend).rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=True)
+@torch.library.custom_op("ropekit::apply_rotary_", mutates_args=("x",))
+def _apply_rotary_(x: Tensor, cos: Tensor, sin: Tensor, layout: str, conjugate: bool, backend: str) -> None:
+    dispatch.get(backend).apply_rotary(x, cos, sin, layout=layout, conjugate=conjugate, inplace=True)
 
 
-@torch.library.custom_op("ropekit::rotate_pair", mutates_args=())
-def _rotate_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str, conjugate: bool,
-                 backend: str) -> tuple[Tensor, Tensor]:
-    return dispatch.get(backend).rotate_pair(q, k, cos, sin, layout=layout, conjugate=conjugate, inplace=False)
+@torch.library.custom_op("ropekit::apply_rotary_qk", mutates_args=())
+def _apply_rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str, conjugate: bool,
+                     backend: str) -> tuple[Tensor, Tensor]:
+    return dispatch.get(backend).apply_rotary_qk(q, k, cos, sin, layout=layout, conjugate=conjugate, inplace=False)
 
 
-@torch.library.custom_op("ropekit::rotate_pair_", mutates_args=("q", "k"))
-def _rotate_pair_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str, conjugate: bool,
-                  backend: str) -> None:
-    dispatch.get(backend).rotate_pair(q, k, cos, sin, layout=layout, conjugate=conjugate, inplace=True)
+@torch.library.custom_op("ropekit::apply_rotary_qk_", mutates_args=("q", "k"))
+def _apply_rotary_qk_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str, conjugate: bool,
+                      backend: str) -> None:
+    dispatch.get(backend).apply_rotary_qk(q, k, cos, sin, layout=layout, conjugate=conjugate, inplace=True)
 
 
 # -- tables looked up by position --------------------------------------------------------------
@@ -79,46 +83,45 @@ def _where(x, cos_table, positions, offsets, offset, cu_seqlens, max_seqlen, seq
     return check_values(x, cos_table.shape[0], Positions(positions, offsets, offset, cu_seqlens, max_seqlen, seq_dim))
 
 
-@torch.library.custom_op("ropekit::rotate_positions", mutates_args=())
-def _rotate_positions(
+@torch.library.custom_op("ropekit::rotate", mutates_args=())
+def _rotate(
     x: Tensor, cos_table: Tensor, sin_table: Tensor, positions: Tensor | None, offsets: Tensor | None, offset: int,
     cu_seqlens: Tensor | None, max_seqlen: int | None, seq_dim: int, layout: str, conjugate: bool, backend: str,
 ) -> Tensor:
     where = _where(x, cos_table, positions, offsets, offset, cu_seqlens, max_seqlen, seq_dim)
-    return dispatch.get(backend).rotate_positions(x, cos_table, sin_table, where, layout=layout,
-                                                  conjugate=conjugate, inplace=False)
+    return dispatch.get(backend).rotate(x, cos_table, sin_table, where, layout=layout, conjugate=conjugate,
+                                        inplace=False)
 
 
-@torch.library.custom_op("ropekit::rotate_positions_", mutates_args=("x",))
-def _rotate_positions_(
+@torch.library.custom_op("ropekit::rotate_", mutates_args=("x",))
+def _rotate_(
     x: Tensor, cos_table: Tensor, sin_table: Tensor, positions: Tensor | None, offsets: Tensor | None, offset: int,
     cu_seqlens: Tensor | None, max_seqlen: int | None, seq_dim: int, layout: str, conjugate: bool, backend: str,
 ) -> None:
     where = _where(x, cos_table, positions, offsets, offset, cu_seqlens, max_seqlen, seq_dim)
-    dispatch.get(backend).rotate_positions(x, cos_table, sin_table, where, layout=layout, conjugate=conjugate,
-                                           inplace=True)
+    dispatch.get(backend).rotate(x, cos_table, sin_table, where, layout=layout, conjugate=conjugate, inplace=True)
 
 
-@torch.library.custom_op("ropekit::rotate_pair_positions", mutates_args=())
-def _rotate_pair_positions(
+@torch.library.custom_op("ropekit::rotate_qk", mutates_args=())
+def _rotate_qk(
     q: Tensor, k: Tensor, cos_table: Tensor, sin_table: Tensor, positions: Tensor | None, offsets: Tensor | None,
     offset: int, cu_seqlens: Tensor | None, max_seqlen: int | None, seq_dim: int, layout: str, conjugate: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
     where = _where(q, cos_table, positions, offsets, offset, cu_seqlens, max_seqlen, seq_dim)
-    return dispatch.get(backend).rotate_pair_positions(q, k, cos_table, sin_table, where, layout=layout,
-                                                       conjugate=conjugate, inplace=False)
+    return dispatch.get(backend).rotate_qk(q, k, cos_table, sin_table, where, layout=layout, conjugate=conjugate,
+                                           inplace=False)
 
 
-@torch.library.custom_op("ropekit::rotate_pair_positions_", mutates_args=("q", "k"))
-def _rotate_pair_positions_(
+@torch.library.custom_op("ropekit::rotate_qk_", mutates_args=("q", "k"))
+def _rotate_qk_(
     q: Tensor, k: Tensor, cos_table: Tensor, sin_table: Tensor, positions: Tensor | None, offsets: Tensor | None,
     offset: int, cu_seqlens: Tensor | None, max_seqlen: int | None, seq_dim: int, layout: str, conjugate: bool,
     backend: str,
 ) -> None:
     where = _where(q, cos_table, positions, offsets, offset, cu_seqlens, max_seqlen, seq_dim)
-    dispatch.get(backend).rotate_pair_positions(q, k, cos_table, sin_table, where, layout=layout,
-                                                conjugate=conjugate, inplace=True)
+    dispatch.get(backend).rotate_qk(q, k, cos_table, sin_table, where, layout=layout, conjugate=conjugate,
+                                    inplace=True)
 
 
 # -- fake kernels and autograd -------------------------------------------------------------------
@@ -134,9 +137,9 @@ def _fake_none(*args):
     return None
 
 
-for _op, _fake in ((_rotate, _fake_one), (_rotate_positions, _fake_one), (_rotate_pair, _fake_two),
-                   (_rotate_pair_positions, _fake_two), (_rotate_, _fake_none), (_rotate_pair_, _fake_none),
-                   (_rotate_positions_, _fake_none), (_rotate_pair_positions_, _fake_none)):
+for _op, _fake in ((_apply_rotary, _fake_one), (_rotate, _fake_one), (_apply_rotary_qk, _fake_two),
+                   (_rotate_qk, _fake_two), (_apply_rotary_, _fake_none), (_apply_rotary_qk_, _fake_none),
+                   (_rotate_, _fake_none), (_rotate_qk_, _fake_none)):
     _op.register_fake(_fake)
 
 
@@ -163,8 +166,7 @@ def _backward(op, pair: bool):
     return backward
 
 
-for _op, _pair in ((_rotate, False), (_rotate_pair, True), (_rotate_positions, False),
-                   (_rotate_pair_positions, True)):
+for _op, _pair in ((_apply_rotary, False), (_apply_rotary_qk, True), (_rotate, False), (_rotate_qk, True)):
     def _setup_for(ctx, inputs, output, pair=_pair):
         ctx.pair = pair
         _setup(ctx, inputs, output)
@@ -173,29 +175,29 @@ for _op, _pair in ((_rotate, False), (_rotate_pair, True), (_rotate_positions, F
 
 
 # -- what ropekit.functional calls -------------------------------------------------------------
-def rotate(x: Tensor, cos: Tensor, sin: Tensor, *, layout: str, backend: str, inplace: bool) -> Tensor:
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, layout: str, backend: str, inplace: bool) -> Tensor:
     """Rotate ``x`` with tables of ``x.dim()`` dims on ``backend`` (a resolved name)."""
     if direct(x, cos, sin):
-        return dispatch.get(backend).rotate(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)
+        return dispatch.get(backend).apply_rotary(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)
     if not inplace:
-        return torch.ops.ropekit.rotate(x, cos, sin, layout, False, backend)
+        return torch.ops.ropekit.apply_rotary(x, cos, sin, layout, False, backend)
     if _needs_grad(x):
-        return x.copy_(torch.ops.ropekit.rotate(x, cos, sin, layout, False, backend))
-    torch.ops.ropekit.rotate_(x, cos, sin, layout, False, backend)
+        return x.copy_(torch.ops.ropekit.apply_rotary(x, cos, sin, layout, False, backend))
+    torch.ops.ropekit.apply_rotary_(x, cos, sin, layout, False, backend)
     return x
 
 
-def rotate_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, layout: str, backend: str,
-                inplace: bool) -> tuple[Tensor, Tensor]:
+def apply_rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, layout: str, backend: str,
+                    inplace: bool) -> tuple[Tensor, Tensor]:
     """Rotate q and k (one rank) with tables of that rank fitting both."""
     if direct(q, k, cos, sin):
-        return dispatch.get(backend).rotate_pair(q, k, cos, sin, layout=layout, conjugate=False, inplace=inplace)
+        return dispatch.get(backend).apply_rotary_qk(q, k, cos, sin, layout=layout, conjugate=False, inplace=inplace)
     if not inplace:
-        return torch.ops.ropekit.rotate_pair(q, k, cos, sin, layout, False, backend)
+        return torch.ops.ropekit.apply_rotary_qk(q, k, cos, sin, layout, False, backend)
     if _needs_grad(q, k):
-        q_out, k_out = torch.ops.ropekit.rotate_pair(q, k, cos, sin, layout, False, backend)
+        q_out, k_out = torch.ops.ropekit.apply_rotary_qk(q, k, cos, sin, layout, False, backend)
         return q.copy_(q_out), k.copy_(k_out)
-    torch.ops.ropekit.rotate_pair_(q, k, cos, sin, layout, False, backend)
+    torch.ops.ropekit.apply_rotary_qk_(q, k, cos, sin, layout, False, backend)
     return q, k
 
 
@@ -203,34 +205,34 @@ def _position_args(where: Positions) -> tuple:
     return (where.positions, where.offsets, where.offset, where.cu_seqlens, where.max_seqlen, where.seq_dim)
 
 
-def rotate_positions(x: Tensor, cos_table: Tensor, sin_table: Tensor, where: Positions, *, layout: str,
-                     backend: str, inplace: bool) -> Tensor:
+def rotate(x: Tensor, cos_table: Tensor, sin_table: Tensor, where: Positions, *, layout: str, backend: str,
+           inplace: bool) -> Tensor:
     """Rotate ``x`` by the rows of the full tables that ``where`` names."""
     if direct(x, cos_table, sin_table):
         where = check_values(x, cos_table.shape[0], where)
-        return dispatch.get(backend).rotate_positions(x, cos_table, sin_table, where, layout=layout,
-                                                      conjugate=False, inplace=inplace)
+        return dispatch.get(backend).rotate(x, cos_table, sin_table, where, layout=layout, conjugate=False,
+                                            inplace=inplace)
     args = (cos_table, sin_table, *_position_args(where), layout, False, backend)
     if not inplace:
-        return torch.ops.ropekit.rotate_positions(x, *args)
+        return torch.ops.ropekit.rotate(x, *args)
     if _needs_grad(x):
-        return x.copy_(torch.ops.ropekit.rotate_positions(x, *args))
-    torch.ops.ropekit.rotate_positions_(x, *args)
+        return x.copy_(torch.ops.ropekit.rotate(x, *args))
+    torch.ops.ropekit.rotate_(x, *args)
     return x
 
 
-def rotate_pair_positions(q: Tensor, k: Tensor, cos_table: Tensor, sin_table: Tensor, where: Positions, *,
-                          layout: str, backend: str, inplace: bool) -> tuple[Tensor, Tensor]:
-    """:func:`rotate_positions` for q and k."""
+def rotate_qk(q: Tensor, k: Tensor, cos_table: Tensor, sin_table: Tensor, where: Positions, *, layout: str,
+              backend: str, inplace: bool) -> tuple[Tensor, Tensor]:
+    """:func:`rotate` for q and k."""
     if direct(q, k, cos_table, sin_table):
         where = check_values(q, cos_table.shape[0], where)
-        return dispatch.get(backend).rotate_pair_positions(q, k, cos_table, sin_table, where, layout=layout,
-                                                           conjugate=False, inplace=inplace)
+        return dispatch.get(backend).rotate_qk(q, k, cos_table, sin_table, where, layout=layout, conjugate=False,
+                                               inplace=inplace)
     args = (cos_table, sin_table, *_position_args(where), layout, False, backend)
     if not inplace:
-        return torch.ops.ropekit.rotate_pair_positions(q, k, *args)
+        return torch.ops.ropekit.rotate_qk(q, k, *args)
     if _needs_grad(q, k):
-        q_out, k_out = torch.ops.ropekit.rotate_pair_positions(q, k, *args)
+        q_out, k_out = torch.ops.ropekit.rotate_qk(q, k, *args)
         return q.copy_(q_out), k.copy_(k_out)
-    torch.ops.ropekit.rotate_pair_positions_(q, k, *args)
+    torch.ops.ropekit.rotate_qk_(q, k, *args)
     return q, k

@@ -2,13 +2,13 @@
 
 Operators (``torch.ops.ropekit.<name>``; a trailing underscore works in place)::
 
-    rms_norm_rotate(Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps, float weight_offset,
+    rms_norm_rotary(Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps, float weight_offset,
         bool per_token, str layout, str backend) -> Tensor
-    rms_norm_rotate_(Tensor(a!) x, ...same...) -> ()
-    rms_norm_rotate_pair(Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin,
+    rms_norm_rotary_(Tensor(a!) x, ...same...) -> ()
+    rms_norm_rotary_qk(Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin,
         float eps, float weight_offset, bool per_token, str layout, str backend) -> (Tensor, Tensor)
-    rms_norm_rotate_pair_(Tensor(a!) q, Tensor(b!) k, ...same...) -> ()
-    rms_norm_rotate_backward(Tensor grad, Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps,
+    rms_norm_rotary_qk_(Tensor(a!) q, Tensor(b!) k, ...same...) -> ()
+    rms_norm_rotary_backward(Tensor grad, Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps,
         float weight_offset, bool per_token, str layout, str backend) -> (Tensor grad_x, Tensor grad_weight)
     rotate_into_cache(Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache,
         Tensor? slots, int start, Tensor? k_weight, float? eps, float weight_offset, bool per_token,
@@ -18,7 +18,7 @@ Each kernel is the named backend's method of the same name (:class:`ropekit.ops.
 defaults compose torch ops, so every registered backend has every form). The out-of-place
 norm + rotation operators are differentiable: the backward recomputes the norm from the saved
 input (nothing else of its size is kept) and returns the gradients of the input and of the
-weight; ``rms_norm_rotate_backward``'s ``grad_weight`` is an empty tensor when there is no
+weight; ``rms_norm_rotary_backward``'s ``grad_weight`` is an empty tensor when there is no
 weight. The in-place forms and the cache write have no autograd (``ropekit.fused`` refuses them
 for inputs that require grad). As for the rotations (:mod:`.operators`), a plain call with
 nothing to record or trace goes straight to the backend.
@@ -37,41 +37,41 @@ def _norm_options(eps, weight_offset, per_token, layout):
     return dict(eps=eps, weight_offset=weight_offset, per_token=per_token, layout=layout)
 
 
-@torch.library.custom_op("ropekit::rms_norm_rotate", mutates_args=())
-def _rms_norm_rotate(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, eps: float, weight_offset: float,
+@torch.library.custom_op("ropekit::rms_norm_rotary", mutates_args=())
+def _rms_norm_rotary(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, eps: float, weight_offset: float,
                      per_token: bool, layout: str, backend: str) -> Tensor:
-    return dispatch.get(backend).rms_norm_rotate(x, weight, cos, sin, inplace=False,
+    return dispatch.get(backend).rms_norm_rotary(x, weight, cos, sin, inplace=False,
                                                  **_norm_options(eps, weight_offset, per_token, layout))
 
 
-@torch.library.custom_op("ropekit::rms_norm_rotate_", mutates_args=("x",))
-def _rms_norm_rotate_(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, eps: float, weight_offset: float,
+@torch.library.custom_op("ropekit::rms_norm_rotary_", mutates_args=("x",))
+def _rms_norm_rotary_(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, eps: float, weight_offset: float,
                       per_token: bool, layout: str, backend: str) -> None:
-    dispatch.get(backend).rms_norm_rotate(x, weight, cos, sin, inplace=True,
+    dispatch.get(backend).rms_norm_rotary(x, weight, cos, sin, inplace=True,
                                           **_norm_options(eps, weight_offset, per_token, layout))
 
 
-@torch.library.custom_op("ropekit::rms_norm_rotate_pair", mutates_args=())
-def _rms_norm_rotate_pair(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, cos: Tensor,
-                          sin: Tensor, eps: float, weight_offset: float, per_token: bool, layout: str,
-                          backend: str) -> tuple[Tensor, Tensor]:
-    return dispatch.get(backend).rms_norm_rotate_pair(q, k, q_weight, k_weight, cos, sin, inplace=False,
-                                                      **_norm_options(eps, weight_offset, per_token, layout))
+@torch.library.custom_op("ropekit::rms_norm_rotary_qk", mutates_args=())
+def _rms_norm_rotary_qk(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, cos: Tensor,
+                        sin: Tensor, eps: float, weight_offset: float, per_token: bool, layout: str,
+                        backend: str) -> tuple[Tensor, Tensor]:
+    return dispatch.get(backend).rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, inplace=False,
+                                                    **_norm_options(eps, weight_offset, per_token, layout))
 
 
-@torch.library.custom_op("ropekit::rms_norm_rotate_pair_", mutates_args=("q", "k"))
-def _rms_norm_rotate_pair_(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, cos: Tensor,
-                           sin: Tensor, eps: float, weight_offset: float, per_token: bool, layout: str,
-                           backend: str) -> None:
-    dispatch.get(backend).rms_norm_rotate_pair(q, k, q_weight, k_weight, cos, sin, inplace=True,
-                                               **_norm_options(eps, weight_offset, per_token, layout))
+@torch.library.custom_op("ropekit::rms_norm_rotary_qk_", mutates_args=("q", "k"))
+def _rms_norm_rotary_qk_(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, cos: Tensor,
+                         sin: Tensor, eps: float, weight_offset: float, per_token: bool, layout: str,
+                         backend: str) -> None:
+    dispatch.get(backend).rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, inplace=True,
+                                             **_norm_options(eps, weight_offset, per_token, layout))
 
 
-@torch.library.custom_op("ropekit::rms_norm_rotate_backward", mutates_args=())
-def _rms_norm_rotate_backward(grad: Tensor, x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, eps: float,
+@torch.library.custom_op("ropekit::rms_norm_rotary_backward", mutates_args=())
+def _rms_norm_rotary_backward(grad: Tensor, x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, eps: float,
                               weight_offset: float, per_token: bool, layout: str,
                               backend: str) -> tuple[Tensor, Tensor]:
-    grad_x, grad_w = dispatch.get(backend).rms_norm_rotate_backward(
+    grad_x, grad_w = dispatch.get(backend).rms_norm_rotary_backward(
         grad, x, weight, cos, sin, **_norm_options(eps, weight_offset, per_token, layout))
     return grad_x, (x.new_empty(0) if grad_w is None else grad_w)
 
@@ -85,12 +85,12 @@ def _rotate_into_cache(k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: 
                                             layout=layout)
 
 
-_rms_norm_rotate.register_fake(lambda x, *args: torch.empty_like(x))
-_rms_norm_rotate_pair.register_fake(lambda q, k, *args: (torch.empty_like(q), torch.empty_like(k)))
-_rms_norm_rotate_backward.register_fake(
+_rms_norm_rotary.register_fake(lambda x, *args: torch.empty_like(x))
+_rms_norm_rotary_qk.register_fake(lambda q, k, *args: (torch.empty_like(q), torch.empty_like(k)))
+_rms_norm_rotary_backward.register_fake(
     lambda grad, x, weight, *args: (torch.empty_like(x),
                                     x.new_empty(0) if weight is None else torch.empty_like(weight)))
-for _op in (_rms_norm_rotate_, _rms_norm_rotate_pair_, _rotate_into_cache):
+for _op in (_rms_norm_rotary_, _rms_norm_rotary_qk_, _rotate_into_cache):
     _op.register_fake(lambda *args: None)
 
 
@@ -98,7 +98,7 @@ def _backward_of(grad: Tensor | None, x: Tensor, weight: Tensor | None, cos: Ten
     """``(grad_x, grad_weight or None)`` through the backward operator."""
     if grad is None:
         grad = torch.zeros_like(x)
-    grad_x, grad_w = torch.ops.ropekit.rms_norm_rotate_backward(grad, x, weight, cos, sin, *options)
+    grad_x, grad_w = torch.ops.ropekit.rms_norm_rotary_backward(grad, x, weight, cos, sin, *options)
     return grad_x, (None if weight is None else grad_w)
 
 
@@ -127,8 +127,8 @@ def _backward_pair(ctx, grad_q, grad_k):
     return gq, gk, gqw, gkw, None, None, None, None, None, None, None
 
 
-_rms_norm_rotate.register_autograd(_backward_one, setup_context=_setup_one)
-_rms_norm_rotate_pair.register_autograd(_backward_pair, setup_context=_setup_pair)
+_rms_norm_rotary.register_autograd(_backward_one, setup_context=_setup_one)
+_rms_norm_rotary_qk.register_autograd(_backward_pair, setup_context=_setup_pair)
 
 
 # -- what ropekit.fused calls (arguments validated there) ---------------------------------------------
@@ -144,30 +144,30 @@ def direct_with_weights(*tensors: Tensor, weights: tuple = ()) -> bool:
                for w in weights)
 
 
-def rms_norm_rotate(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, *, eps: float, weight_offset: float,
+def rms_norm_rotary(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, *, eps: float, weight_offset: float,
                     per_token: bool, layout: str, backend: str, inplace: bool) -> Tensor:
     """Normalise and rotate ``x`` on ``backend`` (a resolved name); in place only without autograd."""
     if direct_with_weights(x, cos, sin, weights=(weight,)):
-        return dispatch.get(backend).rms_norm_rotate(x, weight, cos, sin, inplace=inplace,
+        return dispatch.get(backend).rms_norm_rotary(x, weight, cos, sin, inplace=inplace,
                                                      **_norm_options(eps, weight_offset, per_token, layout))
     args = (cos, sin, eps, weight_offset, per_token, layout, backend)
     if not inplace:
-        return torch.ops.ropekit.rms_norm_rotate(x, weight, *args)
-    torch.ops.ropekit.rms_norm_rotate_(x, weight, *args)
+        return torch.ops.ropekit.rms_norm_rotary(x, weight, *args)
+    torch.ops.ropekit.rms_norm_rotary_(x, weight, *args)
     return x
 
 
-def rms_norm_rotate_pair(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, cos: Tensor,
-                         sin: Tensor, *, eps: float, weight_offset: float, per_token: bool, layout: str, backend: str,
-                         inplace: bool) -> tuple[Tensor, Tensor]:
-    """:func:`rms_norm_rotate` of q and k in one call."""
+def rms_norm_rotary_qk(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, cos: Tensor,
+                       sin: Tensor, *, eps: float, weight_offset: float, per_token: bool, layout: str, backend: str,
+                       inplace: bool) -> tuple[Tensor, Tensor]:
+    """:func:`rms_norm_rotary` of q and k in one call."""
     if direct_with_weights(q, k, cos, sin, weights=(q_weight, k_weight)):
-        return dispatch.get(backend).rms_norm_rotate_pair(q, k, q_weight, k_weight, cos, sin, inplace=inplace,
-                                                          **_norm_options(eps, weight_offset, per_token, layout))
+        return dispatch.get(backend).rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, inplace=inplace,
+                                                        **_norm_options(eps, weight_offset, per_token, layout))
     args = (cos, sin, eps, weight_offset, per_token, layout, backend)
     if not inplace:
-        return torch.ops.ropekit.rms_norm_rotate_pair(q, k, q_weight, k_weight, *args)
-    torch.ops.ropekit.rms_norm_rotate_pair_(q, k, q_weight, k_weight, *args)
+        return torch.ops.ropekit.rms_norm_rotary_qk(q, k, q_weight, k_weight, *args)
+    torch.ops.ropekit.rms_norm_rotary_qk_(q, k, q_weight, k_weight, *args)
     return q, k
 
 

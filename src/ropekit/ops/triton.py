@@ -4,12 +4,12 @@ The kernel runs on CUDA tensors (and on any device under ``TRITON_INTERPRET=1``)
 float32/float16/bfloat16; elsewhere, and for float64, each form runs on the eager backend
 (same results up to the rounding of the interpreter). Forms:
 
-- ``rotate``: one launch per tensor, tables addressed by strides (stride 0 where broadcast);
-- ``rotate_pair``: q and k in one launch when they differ at most along the heads axis and
+- ``apply_rotary``: one launch per tensor, tables addressed by strides (stride 0 where broadcast);
+- ``apply_rotary_qk``: q and k in one launch when they differ at most along the heads axis and
   their other leading axes collapse to two, else one launch each;
-- ``rotate_positions`` / ``rotate_pair_positions``: one launch that looks each token's row up
+- ``rotate`` / ``rotate_qk`` (by position): one launch that looks each token's row up
   in the full tables inside the kernel (positions, offsets, ``cu_seqlens``);
-- ``rms_norm_rotate`` (one launch per tensor), its backward, and ``rotate_into_cache`` (one
+- ``rms_norm_rotary`` (one launch per tensor), its backward, and ``rotate_into_cache`` (one
   launch for the keys, one for the values) on the kernels of :mod:`.triton_fused`.
 """
 
@@ -48,31 +48,31 @@ class TritonBackend(Backend):
             return None
         return "CUDA tensors (any device under TRITON_INTERPRET=1) of dtype float32, float16 or bfloat16"
 
-    def rotate(self, x, cos, sin, *, layout, conjugate, inplace):
+    def apply_rotary(self, x, cos, sin, *, layout, conjugate, inplace):
         """See :class:`ropekit.ops.Backend`."""
         if not _use_kernel(x, 2 * cos.shape[-1]):
-            return self._fallback.rotate(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+            return self._fallback.apply_rotary(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
         cos, sin = full_rank(x, cos, sin)
         out = x if inplace else torch.empty_like(x)
         if x.numel():
-            kern.launch_rotate(x, out, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+            kern.launch_apply_rotary(x, out, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
         return out
 
-    def rotate_pair(self, q, k, cos, sin, *, layout, conjugate, inplace):
+    def apply_rotary_qk(self, q, k, cos, sin, *, layout, conjugate, inplace):
         """See :class:`ropekit.ops.Backend`."""
         if _use_kernel(q, 2 * cos.shape[-1]) and q.dtype == k.dtype:
             cos, sin = full_rank(q, cos, sin)
             q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
-            if kern.launch_rotate_pair(q, k, q_out, k_out, cos, sin, layout=layout, conjugate=conjugate,
-                                       inplace=inplace):
+            if kern.launch_apply_rotary_qk(q, k, q_out, k_out, cos, sin, layout=layout, conjugate=conjugate,
+                                           inplace=inplace):
                 return q_out, k_out
-        return super().rotate_pair(q, k, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
+        return super().apply_rotary_qk(q, k, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
 
-    def rotate_positions(self, x, cos_table, sin_table, where, *, layout, conjugate, inplace):
+    def rotate(self, x, cos_table, sin_table, where, *, layout, conjugate, inplace):
         """See :class:`ropekit.ops.Backend`."""
         if not _use_kernel(x, 2 * cos_table.shape[1]):
-            return self._fallback.rotate_positions(x, cos_table, sin_table, where, layout=layout,
-                                                   conjugate=conjugate, inplace=inplace)
+            return self._fallback.rotate(x, cos_table, sin_table, where, layout=layout, conjugate=conjugate,
+                                         inplace=inplace)
         out = x if inplace else torch.empty_like(x)
         if x.numel():
             kern.launch_rotate_qk(x, None, out, None, cos_table, sin_table, where.positions, where.offsets,
@@ -80,11 +80,11 @@ class TritonBackend(Backend):
                                   layout=layout, conjugate=conjugate, inplace=inplace)
         return out
 
-    def rotate_pair_positions(self, q, k, cos_table, sin_table, where, *, layout, conjugate, inplace):
+    def rotate_qk(self, q, k, cos_table, sin_table, where, *, layout, conjugate, inplace):
         """See :class:`ropekit.ops.Backend`."""
         if not _use_kernel(q, 2 * cos_table.shape[1]):
-            return self._fallback.rotate_pair_positions(q, k, cos_table, sin_table, where, layout=layout,
-                                                        conjugate=conjugate, inplace=inplace)
+            return self._fallback.rotate_qk(q, k, cos_table, sin_table, where, layout=layout, conjugate=conjugate,
+                                            inplace=inplace)
         q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
         if q.numel() + k.numel():
             kern.launch_rotate_qk(q, k, q_out, k_out, cos_table, sin_table, where.positions, where.offsets,
@@ -101,7 +101,7 @@ class TritonBackend(Backend):
         gains = weight.to(torch.float32)
         return (gains + weight_offset if weight_offset != 0.0 else gains).contiguous()
 
-    def rms_norm_rotate(self, x, weight, cos, sin, *, eps, weight_offset, per_token, layout, inplace):
+    def rms_norm_rotary(self, x, weight, cos, sin, *, eps, weight_offset, per_token, layout, inplace):
         """See :class:`ropekit.ops.Backend`."""
         if _use_kernel(x, 2 * cos.shape[-1]):
             cos, sin = full_rank(x, cos, sin)
@@ -109,10 +109,10 @@ class TritonBackend(Backend):
             if fused.launch_norm_rotate(x, out, cos, sin, self._gains(weight, weight_offset), eps=eps,
                                         per_token=per_token, layout=layout):
                 return out
-        return super().rms_norm_rotate(x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
+        return super().rms_norm_rotary(x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
                                        per_token=per_token, layout=layout, inplace=inplace)
 
-    def rms_norm_rotate_backward(self, grad, x, weight, cos, sin, *, eps, weight_offset, per_token,
+    def rms_norm_rotary_backward(self, grad, x, weight, cos, sin, *, eps, weight_offset, per_token,
                                  layout):
         """See :class:`ropekit.ops.Backend`."""
         if _use_kernel(x, 2 * cos.shape[-1]) and grad.dtype == x.dtype:
@@ -122,7 +122,7 @@ class TritonBackend(Backend):
                                            per_token=per_token, layout=layout)
             if grad_w is not False:
                 return grad_x, (None if weight is None else grad_w.view(weight.shape).to(weight.dtype))
-        return super().rms_norm_rotate_backward(grad, x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
+        return super().rms_norm_rotary_backward(grad, x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
                                                 per_token=per_token, layout=layout)
 
     def rotate_into_cache(self, k, v, cos, sin, k_cache, v_cache, slots, start, *, k_weight, eps, weight_offset,

@@ -281,7 +281,7 @@ def _collapse(sizes: tuple[int, ...], strides: list[tuple[int, ...]]) -> list[tu
 
 
 # -- the two ways in ---------------------------------------------------------------------------
-def launch_rotate(
+def launch_apply_rotary(
     x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     *, layout: str, conjugate: bool, inplace: bool,
 ) -> None:
@@ -297,7 +297,7 @@ def launch_rotate(
     axes = _collapse(lead, [t.stride()[:-1] for t in tensors])
     if len(axes) > 3:
         for i in range(x.shape[0]):
-            launch_rotate(x[i], out[i], cos[i], sin[i], layout=layout, conjugate=conjugate, inplace=inplace)
+            launch_apply_rotary(x[i], out[i], cos[i], sin[i], layout=layout, conjugate=conjugate, inplace=inplace)
         return
     axes += [(1, [0, 0, 0, 0])] * (3 - len(axes))  # tokens tile the second axis
     (batch, sb), (seqlen, ss), (heads, sh) = axes
@@ -340,7 +340,7 @@ def launch_rotate_qk(
     )
 
 
-def launch_rotate_pair(
+def launch_apply_rotary_qk(
     q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, *, layout: str, conjugate: bool, inplace: bool,
 ) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .._deprecation import module_getattr, warn_once
 from ..validation import check_even_positive, check_positions, check_positive_float
 
 NO_FLOAT64 = ("mps",)  # device types without float64 tensors
@@ -37,22 +38,23 @@ def base_inv_freq(rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
     return torch.pow(torch.tensor(base, dtype=torch.float64), -exponent)
 
 
-def inv_frequencies(
+def inv_freq_and_scale(
     rotary_dim: int,
     base: float = 10000.0,
-    scaling: Any = None,
+    rule: Any = None,
     *,
     seq_len: int | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scale for a rotary dimension and scaling rule.
+    """Inverse frequencies and attention scale of a scaling rule object (the maths layer's half of it).
+
+    ``ropekit.inv_frequencies`` (:func:`ropekit.config.rules.inv_frequencies`) is the public
+    function: it also takes a ``config.json`` rope dict, maps it onto its rule and calls this.
 
     Args:
         rotary_dim: number of rotated channels (positive, even).
         base: RoPE base ``b`` (``rope_theta`` in Hugging Face configs).
-        scaling: ``None`` for plain RoPE, or a rule from :mod:`ropekit.scaling`
-            (any object with ``compute(rotary_dim, base, seq_len) -> (inv_freq, scale)``).
-            ``ropekit.inv_frequencies`` (:func:`ropekit.config.inv_frequencies`) also takes a
-            ``config.json`` rope dict; this layer takes rule objects only.
+        rule: ``None`` for plain RoPE, or a rule from :mod:`ropekit.scaling` (any object with
+            ``compute(rotary_dim, base, seq_len) -> (inv_freq, scale)``).
         seq_len: current sequence length; only rules that depend on it (dynamic
             NTK, LongRoPE) read it.
 
@@ -61,7 +63,7 @@ def inv_frequencies(
         and a Python float that multiplies the cos/sin tables (1.0 for plain RoPE).
 
     Example:
-        >>> inv_freq, scale = inv_frequencies(4, 10000.0)
+        >>> inv_freq, scale = inv_freq_and_scale(4, 10000.0)
         >>> inv_freq.tolist(), scale
         ([1.0, 0.01], 1.0)
     """
@@ -69,13 +71,13 @@ def inv_frequencies(
     base = check_positive_float(base, "base")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
         raise ValueError(f"seq_len must be a non-negative int or None, got {seq_len!r}")
-    if scaling is None:
+    if rule is None:
         return base_inv_freq(rotary_dim, base), 1.0
-    compute = getattr(scaling, "compute", None)
+    compute = getattr(rule, "compute", None)
     if compute is None:
         raise TypeError(
-            "scaling must be None or a ropekit.scaling rule (ropekit.inv_frequencies also takes a rope dict), "
-            f"got {type(scaling).__name__}"
+            "scaling must be None, a ropekit.scaling rule or a config.json rope dict, "
+            f"got {type(rule).__name__}"
         )
     inv_freq, scale = compute(rotary_dim, base, seq_len)
     return inv_freq.to(torch.float64), float(scale)
@@ -104,7 +106,7 @@ def rotation_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Te
 
 def cos_sin(
     positions: torch.Tensor,
-    inv_freq: Any,
+    inv_freq: torch.Tensor,
     *,
     attention_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,24 +114,19 @@ def cos_sin(
 
     ``cos[..., i] = attention_scale * cos(positions[...] * inv_freq[i])`` and likewise sin.
     These are the *half-width* tables every ropekit apply takes: one entry per
-    rotary pair, not duplicated to ``rotary_dim``.
-
-    Multi-axis RoPE: pass an :class:`ropekit.AxisPlan` as ``inv_freq`` and positions of shape
-    ``(..., n_axes)`` (integer or float, negative allowed); pair ``i`` then turns by
-    ``positions[..., axis[i]] * inv_freq[i]`` and the plan's own attention scale is folded in.
+    rotary pair, not duplicated to ``rotary_dim``. Multi-axis RoPE has its own call,
+    :meth:`ropekit.AxisPlan.cos_sin` (``plan.cos_sin(positions)``, positions ``(..., n_axes)``).
 
     Args:
-        positions: 1-D RoPE: integer tensor of shape ``P`` (e.g. ``(seq,)`` or ``(batch, seq)``),
-            ``>= 0``. With a plan: ``P + (n_axes,)``.
-        inv_freq: tensor of shape ``(rotary_dim // 2,)`` (float64 from :func:`inv_frequencies`),
-            or an :class:`ropekit.AxisPlan`.
-        attention_scale: factor folded into both tables (YaRN / LongRoPE mscale); a plan
-            carries its own (leave this at 1.0).
+        positions: integer tensor of shape ``P`` (e.g. ``(seq,)`` or ``(batch, seq)``), ``>= 0``.
+        inv_freq: tensor of shape ``(rotary_dim // 2,)`` (float64 from :func:`ropekit.inv_frequencies`).
+        attention_scale: factor folded into both tables (YaRN / LongRoPE mscale).
 
     Returns:
         ``(cos, sin)``, float32 tensors of shape ``P + (rotary_dim // 2,)``.
     """
-    if callable(getattr(inv_freq, "cos_sin", None)) and hasattr(inv_freq, "axis_names"):  # an AxisPlan
+    if callable(getattr(inv_freq, "cos_sin", None)) and hasattr(inv_freq, "axis_names"):  # an AxisPlan (0.x call)
+        warn_once("ropekit.cos_sin(positions, plan)", "plan.cos_sin(positions)")
         if float(attention_scale) != 1.0:
             raise ValueError(
                 f"attention_scale must be left at 1.0 with an AxisPlan (the plan carries its own, "
@@ -145,3 +142,11 @@ def cos_sin(
         sin = sin * scale
     # round to float32 before moving: the angles may sit on the CPU (see rotation_angles)
     return cos.to(torch.float32).to(positions.device), sin.to(torch.float32).to(positions.device)
+
+
+# 0.x names (one release): each warns once and names its replacement
+__getattr__ = module_getattr(__name__, {
+    "inv_frequencies": ("ropekit.rope.frequencies:inv_freq_and_scale",
+                        "ropekit.inv_frequencies (rules and rope dicts), or "
+                        "ropekit.rope.frequencies.inv_freq_and_scale (rule objects)"),
+})

@@ -2,11 +2,11 @@
 // and the rotation of keys straight into a KV cache. Included by rotary_cpu.cpp inside its
 // anonymous namespace, after cpu_jobs.h; registered there as operators and Python functions.
 //
-//   rms_norm_rotate(x, weight?, cos, sin, eps, weight_offset, per_token, interleaved) -> Tensor
-//   rms_norm_rotate_(x, ...) -> ()                                       x normalised and rotated in place
-//   rms_norm_rotate_pair(q, k, q_weight?, k_weight?, cos, sin, eps, ...) -> (Tensor, Tensor)
-//   rms_norm_rotate_pair_(q, k, ...) -> ()
-//   rms_norm_rotate_backward(grad, x, weight?, cos, sin, eps, ...) -> (grad_x, grad_weight or empty)
+//   rms_norm_rotary(x, weight?, cos, sin, eps, weight_offset, per_token, interleaved) -> Tensor
+//   rms_norm_rotary_(x, ...) -> ()                                       x normalised and rotated in place
+//   rms_norm_rotary_qk(q, k, q_weight?, k_weight?, cos, sin, eps, ...) -> (Tensor, Tensor)
+//   rms_norm_rotary_qk_(q, k, ...) -> ()
+//   rms_norm_rotary_backward(grad, x, weight?, cos, sin, eps, ...) -> (grad_x, grad_weight or empty)
 //   rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots?, start, k_weight?, eps?, weight_offset,
 //                     per_token, block_size, interleaved) -> ()
 //
@@ -93,7 +93,7 @@ void norm_rotate_into(const Tensor &q, const Tensor &q_out, const c10::optional<
     run_jobs(jobs);
 }
 
-Tensor rms_norm_rotate(const Tensor &x, const c10::optional<Tensor> &weight, const Tensor &cos, const Tensor &sin,
+Tensor rms_norm_rotary(const Tensor &x, const c10::optional<Tensor> &weight, const Tensor &cos, const Tensor &sin,
                        double eps, double offset, bool per_token, bool interleaved) {
     const Tensor x_in = unit_channels(x);
     Tensor out = fresh_output(x_in);
@@ -102,10 +102,10 @@ Tensor rms_norm_rotate(const Tensor &x, const c10::optional<Tensor> &weight, con
     return out;
 }
 
-std::tuple<Tensor, Tensor> rms_norm_rotate_pair(const Tensor &q, const Tensor &k, const c10::optional<Tensor> &q_weight,
-                                                const c10::optional<Tensor> &k_weight, const Tensor &cos,
-                                                const Tensor &sin, double eps, double offset, bool per_token,
-                                                bool interleaved) {
+std::tuple<Tensor, Tensor> rms_norm_rotary_qk(const Tensor &q, const Tensor &k, const c10::optional<Tensor> &q_weight,
+                                              const c10::optional<Tensor> &k_weight, const Tensor &cos,
+                                              const Tensor &sin, double eps, double offset, bool per_token,
+                                              bool interleaved) {
     const Tensor q_in = unit_channels(q), k_in = unit_channels(k);
     Tensor q_out = fresh_output(q_in), k_out = fresh_output(k_in);
     norm_rotate_into(q_in, q_out, q_weight, k_in, k_out, k_weight, cos, sin, eps, offset, per_token, interleaved);
@@ -113,9 +113,9 @@ std::tuple<Tensor, Tensor> rms_norm_rotate_pair(const Tensor &q, const Tensor &k
 }
 
 // In place: tensors with strided channels go through a contiguous copy, written back.
-void rms_norm_rotate_pair_(const Tensor &q, const Tensor &k, const c10::optional<Tensor> &q_weight,
-                           const c10::optional<Tensor> &k_weight, const Tensor &cos, const Tensor &sin, double eps,
-                           double offset, bool per_token, bool interleaved) {
+void rms_norm_rotary_qk_(const Tensor &q, const Tensor &k, const c10::optional<Tensor> &q_weight,
+                         const c10::optional<Tensor> &k_weight, const Tensor &cos, const Tensor &sin, double eps,
+                         double offset, bool per_token, bool interleaved) {
     const Tensor q_work = unit_channels(q), k_work = k.defined() ? unit_channels(k) : k;
     norm_rotate_into(q_work, q_work, q_weight, k_work, k_work, k_weight, cos, sin, eps, offset, per_token,
                      interleaved);
@@ -126,9 +126,9 @@ void rms_norm_rotate_pair_(const Tensor &q, const Tensor &k, const c10::optional
     }
 }
 
-void rms_norm_rotate_(const Tensor &x, const c10::optional<Tensor> &weight, const Tensor &cos, const Tensor &sin,
+void rms_norm_rotary_(const Tensor &x, const c10::optional<Tensor> &weight, const Tensor &cos, const Tensor &sin,
                       double eps, double offset, bool per_token, bool interleaved) {
-    rms_norm_rotate_pair_(x, Tensor(), weight, c10::nullopt, cos, sin, eps, offset, per_token, interleaved);
+    rms_norm_rotary_qk_(x, Tensor(), weight, c10::nullopt, cos, sin, eps, offset, per_token, interleaved);
 }
 
 // ---- backward ----
@@ -162,7 +162,7 @@ void backward_job(const Tensor &grad, const Tensor &x, const Job &job, std::vect
     for (auto &partial : local) partials->push_back(std::move(partial));
 }
 
-std::tuple<Tensor, Tensor> rms_norm_rotate_backward(const Tensor &grad, const Tensor &x,
+std::tuple<Tensor, Tensor> rms_norm_rotary_backward(const Tensor &grad, const Tensor &x,
                                                     const c10::optional<Tensor> &weight, const Tensor &cos,
                                                     const Tensor &sin, double eps, double offset, bool per_token,
                                                     bool interleaved) {

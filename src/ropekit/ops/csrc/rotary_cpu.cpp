@@ -3,10 +3,10 @@
 //
 // Operators (namespace ROPEKIT_CPU_NAMESPACE, "ropekit_cpu" unless the build says otherwise):
 //
-//   rotate(Tensor x, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> Tensor
-//   rotate_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> ()
-//   rotate_pair(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> (Tensor, Tensor)
-//   rotate_pair_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> ()
+//   apply_rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> Tensor
+//   apply_rotary_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> ()
+//   apply_rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> (Tensor, Tensor)
+//   apply_rotary_qk_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> ()
 //   and the fused forms of fused_cpu.h (RMSNorm + rotation, its backward, rotation into a KV cache)
 //
 // x (q, k): (..., head_dim) CPU tensors of float32/float64/bfloat16/float16, any strides.
@@ -63,7 +63,7 @@ namespace {
 
 // Out of place: the output is allocated like the input the kernel reads (unit channel stride), never
 // like a strided x, whose channels the kernel would otherwise write as if they were contiguous.
-Tensor rotate(const Tensor &x, const Tensor &cos, const Tensor &sin, bool interleaved, bool conjugate) {
+Tensor apply_rotary(const Tensor &x, const Tensor &cos, const Tensor &sin, bool interleaved, bool conjugate) {
     const Tensor x_in = unit_channels(x);
     Tensor out = fresh_output(x_in);
     Jobs jobs;
@@ -72,8 +72,8 @@ Tensor rotate(const Tensor &x, const Tensor &cos, const Tensor &sin, bool interl
     return out;
 }
 
-std::tuple<Tensor, Tensor> rotate_pair(const Tensor &q, const Tensor &k, const Tensor &cos, const Tensor &sin,
-                                       bool interleaved, bool conjugate) {
+std::tuple<Tensor, Tensor> apply_rotary_qk(const Tensor &q, const Tensor &k, const Tensor &cos, const Tensor &sin,
+                                           bool interleaved, bool conjugate) {
     const Tensor q_in = unit_channels(q), k_in = unit_channels(k);
     Tensor q_out = fresh_output(q_in), k_out = fresh_output(k_in);
     const int64_t flags = flags_of(interleaved, conjugate, true);
@@ -85,8 +85,8 @@ std::tuple<Tensor, Tensor> rotate_pair(const Tensor &q, const Tensor &k, const T
 }
 
 // In place: tensors with strided channels go through a contiguous copy, written back.
-void rotate_pair_(const Tensor &q, const Tensor &k, const Tensor &cos, const Tensor &sin, bool interleaved,
-                  bool conjugate) {
+void apply_rotary_qk_(const Tensor &q, const Tensor &k, const Tensor &cos, const Tensor &sin, bool interleaved,
+                      bool conjugate) {
     const int64_t flags = flags_of(interleaved, conjugate, false);
     const Tensor q_work = unit_channels(q), k_work = k.defined() ? unit_channels(k) : k;
     Jobs jobs;
@@ -100,8 +100,8 @@ void rotate_pair_(const Tensor &q, const Tensor &k, const Tensor &cos, const Ten
     }
 }
 
-void rotate_(const Tensor &x, const Tensor &cos, const Tensor &sin, bool interleaved, bool conjugate) {
-    rotate_pair_(x, Tensor(), cos, sin, interleaved, conjugate);
+void apply_rotary_(const Tensor &x, const Tensor &cos, const Tensor &sin, bool interleaved, bool conjugate) {
+    apply_rotary_qk_(x, Tensor(), cos, sin, interleaved, conjugate);
 }
 
 // Test hooks: the thresholds (returns the previous ones; -1 keeps a value), the bytes of fresh
@@ -138,20 +138,21 @@ std::vector<int64_t> plan_rows(at::IntArrayRef sizes, at::IntArrayRef x_strides,
 }  // namespace
 
 ROPEKIT_LIBRARY(ROPEKIT_CPU_NAMESPACE, m) {
-    m.def("rotate(Tensor x, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> Tensor");
-    m.def("rotate_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> ()");
-    m.def("rotate_pair(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, bool conjugate)"
+    m.def("apply_rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> Tensor");
+    m.def("apply_rotary_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> ()");
+    m.def("apply_rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, bool conjugate)"
           " -> (Tensor, Tensor)");
-    m.def("rotate_pair_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> ()");
-    m.def("rms_norm_rotate(Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps, float weight_offset, "
+    m.def("apply_rotary_qk_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool interleaved, bool conjugate)"
+          " -> ()");
+    m.def("rms_norm_rotary(Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps, float weight_offset, "
           "bool per_token, bool interleaved) -> Tensor");
-    m.def("rms_norm_rotate_(Tensor(a!) x, Tensor? weight, Tensor cos, Tensor sin, float eps, float weight_offset, "
+    m.def("rms_norm_rotary_(Tensor(a!) x, Tensor? weight, Tensor cos, Tensor sin, float eps, float weight_offset, "
           "bool per_token, bool interleaved) -> ()");
-    m.def("rms_norm_rotate_pair(Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, "
+    m.def("rms_norm_rotary_qk(Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, "
           "float eps, float weight_offset, bool per_token, bool interleaved) -> (Tensor, Tensor)");
-    m.def("rms_norm_rotate_pair_(Tensor(a!) q, Tensor(b!) k, Tensor? q_weight, Tensor? k_weight, Tensor cos, "
+    m.def("rms_norm_rotary_qk_(Tensor(a!) q, Tensor(b!) k, Tensor? q_weight, Tensor? k_weight, Tensor cos, "
           "Tensor sin, float eps, float weight_offset, bool per_token, bool interleaved) -> ()");
-    m.def("rms_norm_rotate_backward(Tensor grad, Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps, "
+    m.def("rms_norm_rotary_backward(Tensor grad, Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps, "
           "float weight_offset, bool per_token, bool interleaved) -> (Tensor, Tensor)");
     m.def("rotate_into_cache(Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
           "Tensor? slots, int start, Tensor? k_weight, float? eps, float weight_offset, bool per_token, "
@@ -164,31 +165,31 @@ ROPEKIT_LIBRARY(ROPEKIT_CPU_NAMESPACE, m) {
 }
 
 ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, CPU, m) {
-    m.impl("rotate", &rotate);
-    m.impl("rotate_", &rotate_);
-    m.impl("rotate_pair", &rotate_pair);
-    m.impl("rotate_pair_", &rotate_pair_);
-    m.impl("rms_norm_rotate", &rms_norm_rotate);
-    m.impl("rms_norm_rotate_", &rms_norm_rotate_);
-    m.impl("rms_norm_rotate_pair", &rms_norm_rotate_pair);
-    m.impl("rms_norm_rotate_pair_", &rms_norm_rotate_pair_);
-    m.impl("rms_norm_rotate_backward", &rms_norm_rotate_backward);
+    m.impl("apply_rotary", &apply_rotary);
+    m.impl("apply_rotary_", &apply_rotary_);
+    m.impl("apply_rotary_qk", &apply_rotary_qk);
+    m.impl("apply_rotary_qk_", &apply_rotary_qk_);
+    m.impl("rms_norm_rotary", &rms_norm_rotary);
+    m.impl("rms_norm_rotary_", &rms_norm_rotary_);
+    m.impl("rms_norm_rotary_qk", &rms_norm_rotary_qk);
+    m.impl("rms_norm_rotary_qk_", &rms_norm_rotary_qk_);
+    m.impl("rms_norm_rotary_backward", &rms_norm_rotary_backward);
     m.impl("rotate_into_cache", &rotate_into_cache);
 }
 
 // The same kernels at the autograd key: these operators are not differentiable themselves (the
-// ropekit::rotate* operators above them carry the autograd), so a call goes straight to the
+// ropekit::apply_rotary* operators above them carry the autograd), so a call goes straight to the
 // kernel instead of through torch's not-implemented fallback; in-place versions are bumped here.
 ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, AutogradCPU, m) {
-    m.impl("rotate", &rotate);
-    m.impl("rotate_", &rotate_);
-    m.impl("rotate_pair", &rotate_pair);
-    m.impl("rotate_pair_", &rotate_pair_);
-    m.impl("rms_norm_rotate", &rms_norm_rotate);
-    m.impl("rms_norm_rotate_", &rms_norm_rotate_);
-    m.impl("rms_norm_rotate_pair", &rms_norm_rotate_pair);
-    m.impl("rms_norm_rotate_pair_", &rms_norm_rotate_pair_);
-    m.impl("rms_norm_rotate_backward", &rms_norm_rotate_backward);
+    m.impl("apply_rotary", &apply_rotary);
+    m.impl("apply_rotary_", &apply_rotary_);
+    m.impl("apply_rotary_qk", &apply_rotary_qk);
+    m.impl("apply_rotary_qk_", &apply_rotary_qk_);
+    m.impl("rms_norm_rotary", &rms_norm_rotary);
+    m.impl("rms_norm_rotary_", &rms_norm_rotary_);
+    m.impl("rms_norm_rotary_qk", &rms_norm_rotary_qk);
+    m.impl("rms_norm_rotary_qk_", &rms_norm_rotary_qk_);
+    m.impl("rms_norm_rotary_backward", &rms_norm_rotary_backward);
     m.impl("rotate_into_cache", &rotate_into_cache);
 }
 
@@ -197,14 +198,14 @@ ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, AutogradCPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "ropekit's CPU rotary kernels without the dispatcher (the same code as the operators)";
     const auto release = pybind11::call_guard<pybind11::gil_scoped_release>();
-    m.def("rotate", &rotate, release);
-    m.def("rotate_", &rotate_, release);
-    m.def("rotate_pair", &rotate_pair, release);
-    m.def("rotate_pair_", &rotate_pair_, release);
-    m.def("rms_norm_rotate", &rms_norm_rotate, release);
-    m.def("rms_norm_rotate_", &rms_norm_rotate_, release);
-    m.def("rms_norm_rotate_pair", &rms_norm_rotate_pair, release);
-    m.def("rms_norm_rotate_pair_", &rms_norm_rotate_pair_, release);
-    m.def("rms_norm_rotate_backward", &rms_norm_rotate_backward, release);
+    m.def("apply_rotary", &apply_rotary, release);
+    m.def("apply_rotary_", &apply_rotary_, release);
+    m.def("apply_rotary_qk", &apply_rotary_qk, release);
+    m.def("apply_rotary_qk_", &apply_rotary_qk_, release);
+    m.def("rms_norm_rotary", &rms_norm_rotary, release);
+    m.def("rms_norm_rotary_", &rms_norm_rotary_, release);
+    m.def("rms_norm_rotary_qk", &rms_norm_rotary_qk, release);
+    m.def("rms_norm_rotary_qk_", &rms_norm_rotary_qk_, release);
+    m.def("rms_norm_rotary_backward", &rms_norm_rotary_backward, release);
     m.def("rotate_into_cache", &rotate_into_cache, release);
 }
