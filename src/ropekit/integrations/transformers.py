@@ -52,7 +52,10 @@ from ..validation import check_layout
 from . import transformers_norms as norms
 from .transformers_norms import Call, current
 
-__all__ = ["kernel_hooks", "kernelize", "patch", "patchable_modules", "static_cache", "unkernelize", "unpatch"]
+__all__ = [
+    "kernel_hooks", "kernelize", "load_converted", "patch", "patchable_modules", "static_cache",
+    "unkernelize", "unpatch",
+]
 
 _INSTALLED: dict[str, list[Any]] = {}  # modeling module name -> [original apply_rotary_pos_emb, users]
 _STATE = "_ropekit_patch"
