@@ -35,7 +35,7 @@ __attribute__((constructor)) static void planted(void) {
 def cache(tmp_path, monkeypatch):
     root = tmp_path / "cache"
     root.mkdir(mode=0o700)
-    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(root))
+    monkeypatch.setenv("ROPEKIT_KERNEL_CACHE_DIR", str(root))
     return root
 
 
@@ -139,7 +139,7 @@ def test_read_only_cache_with_a_valid_build_is_used(tmp_path):
     before = sorted((str(p), p.stat().st_mtime_ns) for p in root.rglob("*"))
     script = tmp_path / "load.py"
     script.write_text(READ_ONLY_SCRIPT)
-    env = os.environ | {"ROPEKIT_CACHE_DIR": str(root), "ROPEKIT_BUILD_TIMEOUT": "0.001"}
+    env = os.environ | {"ROPEKIT_KERNEL_CACHE_DIR": str(root), "ROPEKIT_BUILD_TIMEOUT": "0.001"}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300,
                           check=False)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -156,3 +156,13 @@ def test_build_command_prints_the_library(tmp_path):
                           env=os.environ.copy(), check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert str(ops.get("cpu").build.library) in done.stdout and " s)" in done.stdout
+
+
+def test_the_data_cache_variable_does_not_move_the_kernel(tmp_path, monkeypatch):
+    """``ROPEKIT_CACHE_DIR`` (downloads) leaves the kernel where it was: moving it forced a rebuild."""
+    monkeypatch.delenv("ROPEKIT_KERNEL_CACHE_DIR", raising=False)
+    before = build.cache_root()
+    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path / "data"))
+    assert build.cache_root() == before
+    monkeypatch.setenv("ROPEKIT_KERNEL_CACHE_DIR", str(tmp_path / "kernel"))
+    assert build.cache_root() == tmp_path / "kernel"

@@ -350,17 +350,17 @@ def test_every_16_bit_value_converts_like_torch(dtype, layout):
 def portable_functions(tmp_path_factory):
     """The library built without the AVX2/F16C paths (what non-x86 machines run), in its own cache."""
     cache = tmp_path_factory.mktemp("ropekit-cache")
-    old = os.environ.get("ROPEKIT_CACHE_DIR")
-    os.environ["ROPEKIT_CACHE_DIR"] = str(cache)
+    old = os.environ.get("ROPEKIT_KERNEL_CACHE_DIR")
+    os.environ["ROPEKIT_KERNEL_CACHE_DIR"] = str(cache)
     try:
         backend = CppBackend(namespace="ropekit_cpu_portable", extra_flags=("-DROPEKIT_PORTABLE",))
         assert backend.is_available(), backend.error
         return backend
     finally:
         if old is None:
-            del os.environ["ROPEKIT_CACHE_DIR"]
+            del os.environ["ROPEKIT_KERNEL_CACHE_DIR"]
         else:
-            os.environ["ROPEKIT_CACHE_DIR"] = old
+            os.environ["ROPEKIT_KERNEL_CACHE_DIR"] = old
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -506,7 +506,7 @@ def test_plan_visits_every_row_once(sizes, data):
 
 
 def test_unavailable_backend_warns_once_and_raises(monkeypatch, tmp_path):
-    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ROPEKIT_KERNEL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     backend = CppBackend(namespace="ropekit_cpu_never")
     with pytest.warns(RuntimeWarning, match="unavailable"):
@@ -528,7 +528,7 @@ def test_disabled_by_environment(monkeypatch):
 def test_library_is_cached(portable_functions, monkeypatch):
     """A second load finds the build in the cache: same file, not rebuilt, nothing else written."""
     directory = portable_functions.build.directory
-    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(directory.parent))
+    monkeypatch.setenv("ROPEKIT_KERNEL_CACHE_DIR", str(directory.parent))
     stamp = portable_functions.build.library.stat().st_mtime_ns
     monkeypatch.setattr(build, "build_in_child", lambda *args: pytest.fail("rebuilt a cached library"))
     again = build.load(("-DROPEKIT_PORTABLE",), "ropekit_cpu_portable", quiet=True)
@@ -661,7 +661,7 @@ def test_thread_split_equals_one_thread(dtype, layout, inplace):
 
 def test_cache_key_covers_the_included_header(monkeypatch, tmp_path):
     """A change to rotary_avx2.h alone must build a new library, not reuse the cached one."""
-    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ROPEKIT_KERNEL_CACHE_DIR", str(tmp_path / "cache"))
     sources = tmp_path / "csrc"
     sources.mkdir()
     for path in (*build.SOURCES, *build.HEADERS):
@@ -778,7 +778,7 @@ def test_no_compiler_means_eager_and_one_warning(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python").symlink_to(sys.executable)
-    env = {"PATH": str(bin_dir), "ROPEKIT_CACHE_DIR": str(tmp_path / "cache"), "CXX": ""}
+    env = {"PATH": str(bin_dir), "ROPEKIT_KERNEL_CACHE_DIR": str(tmp_path / "cache"), "CXX": ""}
     done = run_script(tmp_path, NO_COMPILER_SCRIPT, env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "no C++ compiler" in done.stdout
@@ -804,7 +804,7 @@ print("ok")
 def test_disabled_by_environment_in_a_fresh_process(tmp_path):
     """ROPEKIT_DISABLE_NATIVE=1: "auto" runs the eager kernel, one warning says why, nothing is built."""
     done = run_script(tmp_path, DISABLED_SCRIPT, {"ROPEKIT_DISABLE_NATIVE": "1",
-                                                  "ROPEKIT_CACHE_DIR": str(tmp_path / "cache")})
+                                                  "ROPEKIT_KERNEL_CACHE_DIR": str(tmp_path / "cache")})
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
     assert not (tmp_path / "cache").exists()
 

@@ -47,7 +47,7 @@ def parent(args) -> int:
 
     keep = args.build_dir is not None
     cache = Path(args.build_dir) if keep else Path(tempfile.mkdtemp(prefix="ropekit-asan-"))
-    os.environ["ROPEKIT_CACHE_DIR"] = str(cache)
+    os.environ["ROPEKIT_KERNEL_CACHE_DIR"] = str(cache)
     try:
         start = time.monotonic()
         built = build.ensure_built(ASAN_FLAGS, NAMESPACE, quiet=True)

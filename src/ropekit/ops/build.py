@@ -16,7 +16,7 @@ it from the cache in milliseconds.
   runs in a child process that is killed, with its compiler, after ``ROPEKIT_BUILD_TIMEOUT``
   seconds (default 300), in a private temporary directory; the finished library is moved into
   place atomically.
-- **Cache**: ``$ROPEKIT_CACHE_DIR``, else torch's extension cache (``$TORCH_EXTENSIONS_DIR``,
+- **Cache**: ``$ROPEKIT_KERNEL_CACHE_DIR``, else torch's extension cache (``$TORCH_EXTENSIONS_DIR``,
   else ``~/.cache/torch_extensions``), one directory per build key: a hash of the sources, the
   flags, the compiler (path, size, date), the CPU (what ``-march=native`` depends on), torch and
   Python. A cache that holds a valid build is used as it is, read-only or not.
@@ -93,8 +93,8 @@ def compiler() -> Path | None:
 
 
 def cache_root() -> Path:
-    """``$ROPEKIT_CACHE_DIR``, else torch's per-user extension cache."""
-    explicit = os.environ.get("ROPEKIT_CACHE_DIR")
+    """``$ROPEKIT_KERNEL_CACHE_DIR``, else torch's per-user extension cache."""
+    explicit = os.environ.get("ROPEKIT_KERNEL_CACHE_DIR")
     if explicit:
         return Path(explicit)
     from torch.utils.cpp_extension import get_default_build_root
