@@ -20,6 +20,7 @@ Every ```python fence is counted apart from the collector, so a block it would m
 fence, ```py) fails the suite instead of going unrun.
 """
 
+import ast
 import functools
 import importlib
 import json
@@ -50,32 +51,48 @@ BLOCKS = [block for page in PAGES for block in page_blocks(page)]
 
 
 @functools.cache
-def page_results(page: str) -> list[dict]:
-    """Each rank's ``{fence line: traceback or None}`` for ``page``, run by the harness in fresh processes."""
+def page_results(page: str) -> list[dict] | str:
+    """Each rank's ``{fence line: traceback or None}`` for ``page``, run by the harness in fresh processes; or,
+    when a rank did not finish, what went wrong (kept, so that the page's other blocks do not run it again)."""
     world = RANKS.get(page, 1)
     with tempfile.TemporaryDirectory() as tmp:
-        procs = []
-        for rank in range(world):
-            workdir = Path(tmp) / f"rank{rank}"  # each rank its own scratch folder
+        procs, workdirs = [], [Path(tmp) / f"rank{rank}" for rank in range(world)]  # each rank its own folder
+        for rank, workdir in enumerate(workdirs):
             workdir.mkdir()
-            procs.append(subprocess.Popen([sys.executable, str(HARNESS), page, str(workdir / "out.json"), str(rank),
-                                           str(world)], cwd=workdir, env=ENV, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        logs = []
+            with open(workdir.parent / f"rank{rank}.log", "w") as log:  # a file: no pipe fills up and blocks a rank
+                procs.append(subprocess.Popen([sys.executable, str(HARNESS), page, str(workdir / "out.json"),
+                                               str(rank), str(world)], cwd=workdir, env=ENV, stdout=log,
+                                              stderr=subprocess.STDOUT))
         try:
             for proc in procs:
-                logs.append(proc.communicate(timeout=300)[0])
+                proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            pass  # reported below with the rank's log
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
         results = []
-        for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-            out = Path(tmp) / f"rank{rank}" / "out.json"
-            assert proc.returncode == 0 and out.exists(), f"{page} rank {rank} exited {proc.returncode}:\n{log}"
+        for rank, (proc, workdir) in enumerate(zip(procs, workdirs, strict=True)):
+            out, log = workdir / "out.json", (workdir.parent / f"rank{rank}.log").read_text()
+            if proc.returncode != 0 or not out.exists():
+                how = "was killed after 300 s" if proc.returncode == -9 else f"exited with {proc.returncode}"
+                return f"{page}: rank {rank} of {world} {how}:\n{log}"
             results.append({int(line): problem for line, problem in json.loads(out.read_text()).items()})
     return results
+
+
+def placeholders(code: str) -> list[int]:
+    """Offsets (from the block's first line, 1-based) of each ``...`` that stands for a value: every
+    Ellipsis but an index (``x[..., :half]``). A syntax error is left to the run, which reports it."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []
+    indexes = {id(node) for sub in ast.walk(tree) if isinstance(sub, ast.Subscript) for node in ast.walk(sub.slice)}
+    return sorted(node.lineno for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value is Ellipsis and id(node) not in indexes)
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.id for block in BLOCKS])
@@ -84,10 +101,12 @@ def test_the_block_runs_as_written(block):
         assert block.illustration, f"{block.id} is marked as an illustration without saying why it cannot run"
         return
     assert "torch_dtype" not in block.code, f"{block.id}: transformers deprecated torch_dtype=; write dtype="
-    for rank, results in enumerate(page_results(block.page)):
+    assert not placeholders(block.code), f"{block.id}: `...` stands for a value at line(s) {placeholders(block.code)}"
+    ranks = page_results(block.page)
+    assert not isinstance(ranks, str), ranks
+    for rank, results in enumerate(ranks):
         assert block.line in results, f"{block.id} did not run on rank {rank}"
-        assert results[block.line] is None, f"{block.id} fails on rank {rank} of {len(page_results(block.page))}:\n" \
-                                            f"{results[block.line]}"
+        assert results[block.line] is None, f"{block.id} fails on rank {rank} of {len(ranks)}:\n{results[block.line]}"
 
 
 #: a python fence as a reader's renderer sees one: any indent or quote, ``` or ~~~, python / py / pycon ...
@@ -149,6 +168,7 @@ def test_the_checks_catch_what_they_are_for():
         (3, "x = 1\n", None), (8, "y = x.cuda()\n", "needs a CUDA GPU"), (13, "pseudo code\n", "")]
     assert len(FENCE.findall(SAMPLE)) == len(blocks) + 1  # the indented block: the suite would fail
     assert misplaced_markers(SAMPLE) == [] and misplaced_markers("<!-- illustration: x -->\n\ntext\n") == [1]
+    assert placeholders("f(...)\nx = ...\ny = x[..., :2]\ndef g():\n    ...\n") == [1, 2, 5]
 
 
 def python_blocks(text: str) -> list[str]:
