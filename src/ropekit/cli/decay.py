@@ -29,7 +29,7 @@ def add_parser(verbs: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """RoFormer's long-term decay bound (seed 001, eq. 37) for each distance 0..N."""
+    """RoFormer's long-term decay bound (Su et al. 2021, eq. 37) for each distance 0..N."""
     if args.dim <= 0 or args.dim % 2 or args.dim > MAX_ROTARY_DIM:
         raise UserError(f"--dim must be a positive even number (the rotary dimension) <= {MAX_ROTARY_DIM:,}, got "
                         f"{args.dim:,}")

@@ -1,8 +1,8 @@
 """Multi-head softmax self-attention with RoPE (RoFormer eq. 16) and a key/value cache.
 
-``RotarySelfAttention`` is the module of the seed's ``SelfAttentionWithRoPE`` grown to
-what a decoder layer needs: grouped-query attention, partial rotary, a KV cache for
-incremental decoding, padded batches with per-row positions. Scores are
+``RotarySelfAttention`` is the textbook self-attention with RoPE grown to what a decoder
+layer needs: grouped-query attention, partial rotary, a KV cache for incremental decoding,
+padded batches with per-row positions. Scores are
 
     softmax((R_m q_m)^T (R_n k_n) / sqrt(head_dim)) = softmax(q_m^T R_{n-m} k_n / sqrt(head_dim))
 

@@ -3,7 +3,7 @@ r"""Numbers behind ``ropekit inspect`` / ``decay`` / ``report``: wavelengths, de
 Everything is float64 and works on a 1-D ``inv_freq`` tensor of shape ``(rotary_dim // 2,)``
 (``theta_i``, radians per token), so the scaled frequencies of any rule go through the same code.
 
-- :func:`decay_bound` -- RoFormer's long-term decay bound (seed 001, eq. 35-37, Figure 2)::
+- :func:`decay_bound` -- RoFormer's long-term decay bound (Su et al. 2021, eq. 35-37, Figure 2)::
 
       bound(r) = (1 / (d/2)) * sum_{j=1}^{d/2} |S_j|,   S_j = sum_{i=0}^{j-1} exp(1j * r * theta_i)
 
@@ -57,7 +57,7 @@ def rotations(inv_freq: torch.Tensor, context: int) -> torch.Tensor:
 
 
 def decay_bound(inv_freq: torch.Tensor, distances: torch.Tensor) -> torch.Tensor:
-    """RoFormer's long-term decay bound at each relative distance (seed 001, eq. 37).
+    """RoFormer's long-term decay bound at each relative distance (Su et al. 2021, eq. 37).
 
     Args:
         inv_freq: ``theta_i``, shape ``(n,)`` with ``n = d/2`` (any float dtype; used in float64).
