@@ -22,7 +22,7 @@ on CUDA ``peak_mb`` adds the peak memory allocated by a forward + backward step.
 ``ms`` is the median over the repeats, ``min_ms`` the fastest and ``spread_pct`` the
 interquartile range as a percentage of the median; ``bytes`` is what the call reads and writes.
 ``flags`` (``noisy``, ``beats floor``) and ``note`` (why, in one line) come from
-:func:`ropekit.lab.bench_rows.judge`: a row whose spread is large, or which beats the floor
+:func:`ropekit_lab.bench_rows.judge`: a row whose spread is large, or which beats the floor
 that moves the same bytes by more than the noise allows, is a measurement artefact, not a speed.
 """
 
@@ -35,9 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops
-from ..functional import apply_rotary, apply_rotary_qk
-from ..rope.frequencies import cos_sin, inv_frequencies
+from ropekit import apply_rotary, apply_rotary_qk, cos_sin, inv_frequencies, ops
+
 from .bench_rows import COPY, INPLACE_PASS, ROUND_TRIP, format_table, judge
 from .precision import rotate_half
 

@@ -1,4 +1,4 @@
-"""Reading the rows of :func:`ropekit.lab.bench.run`: what each name and column means, which rows to distrust.
+"""Reading the rows of :func:`ropekit_lab.bench.run`: what each name and column means, which rows to distrust.
 
 The benchmark times every row next to a floor that moves the same bytes (``x.clone()`` out of
 place, ``x.mul_(1.0)`` in place, two clones for forward + backward). :func:`judge` flags the rows

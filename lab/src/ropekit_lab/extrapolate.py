@@ -24,8 +24,9 @@ import math
 
 import torch
 
-from ..files import write_bytes_atomic
-from ..rope.scaling import NTK, Linear, YaRN
+from ropekit.files import write_bytes_atomic
+from ropekit.scaling import NTK, Linear, YaRN
+
 from .options import FINETUNE_STEPS, FINETUNE_STEPS_QUICK, QUICK_EXTRAPOLATE, compare_encodings, sizes_for
 from .train import corpus_for, evaluate, prepare_out, set_threads, train_all, val_windows, write_json
 

@@ -19,7 +19,7 @@ WIDTH = 6.4  # inches; at DPI 120 a figure is 768 px wide, scaled down by CSS on
 DPI = 120
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f")
 PANEL = 4.6  # inches: one panel of a pair, shown side by side on a wide screen and stacked on a phone
-#: mathtext of the terms of :func:`ropekit.lab.experiments.sinusoidal_terms`.
+#: mathtext of the terms of :func:`ropekit_lab.experiments.sinusoidal_terms`.
 TERM_FORMULAS = {
     "content-content": r"$x_m^\top W x_n$",
     "content-position": r"$x_m^\top W p_n$",
@@ -35,7 +35,7 @@ STYLE = {"font.size": 11.5, "axes.titlesize": 11.5, "axes.labelsize": 11.5, "xti
          "ytick.labelsize": 10.5, "legend.fontsize": 9.5, "legend.framealpha": 0.85}
 
 
-def _styled(draw):
+def styled(draw):
     """Run a figure function under :data:`STYLE` (a local rc context: global settings stay untouched)."""
 
     @functools.wraps(draw)
@@ -48,7 +48,7 @@ def _styled(draw):
     return wrapper
 
 
-def _figure(width: float = WIDTH, height: float = 3.6):
+def new_figure(width: float = WIDTH, height: float = 3.6):
     """A one-axes figure on its own Agg canvas: ``(fig, ax)``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -62,13 +62,14 @@ def _figure(width: float = WIDTH, height: float = 3.6):
     return fig, ax
 
 
-def _png(fig) -> bytes:
+def png_bytes(fig) -> bytes:
+    """The PNG file of ``fig`` at :data:`DPI`, as bytes."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=DPI)
     return buffer.getvalue()
 
 
-@_styled
+@styled
 def rotation_figure(inv_freq: torch.Tensor, n_positions: int = 9) -> list[bytes]:
     """A 2-D pair ``q = (1, 0.35)`` rotated by ``m * theta_i`` at ``n_positions`` positions: two panels.
 
@@ -82,7 +83,7 @@ def rotation_figure(inv_freq: torch.Tensor, n_positions: int = 9) -> list[bytes]
     q = complex(1.0, 0.35)
     panels = []
     for pair in (0, slow):
-        fig, ax = _figure(PANEL, 4.3)
+        fig, ax = new_figure(PANEL, 4.3)
         theta = float(inv_freq[pair])
         # a slow pair moves little per token: step the positions so that the arrows spread over ~90 degrees
         step = max(1, round(math.pi / 2 / (theta * (n_positions - 1))))
@@ -99,7 +100,7 @@ def rotation_figure(inv_freq: torch.Tensor, n_positions: int = 9) -> list[bytes]
         ax.set_title(f"pair {pair}: θ = {theta:.3g} rad/token ({math.degrees(theta):.3g}° per token)")
         ax.set_xlabel("first channel of the pair")
         ax.set_ylabel("second channel of the pair")
-        panels.append(_png(fig))
+        panels.append(png_bytes(fig))
     return panels
 
 
@@ -118,7 +119,7 @@ def _circle(radius: float):
     return Circle((0, 0), radius, fill=False, linestyle=":", color="#8c959f")
 
 
-@_styled
+@styled
 def decay_figure(curves: Sequence[tuple[str, torch.Tensor, torch.Tensor]], context: int | None = None) -> list[bytes]:
     """RoFormer's decay bound (seed 001, Figure 2) against relative distance: two panels.
 
@@ -129,7 +130,7 @@ def decay_figure(curves: Sequence[tuple[str, torch.Tensor, torch.Tensor]], conte
     """
     panels = []
     for far in (False, True):
-        fig, ax = _figure(PANEL, 3.5)
+        fig, ax = new_figure(PANEL, 3.5)
         for k, (label, distance, bound) in enumerate(curves):
             keep = distance >= 1 if far else distance <= 256
             ax.plot(distance[keep].tolist(), bound[keep].tolist(), color=COLORS[k], lw=0.8 if far else 1.2,
@@ -145,23 +146,11 @@ def decay_figure(curves: Sequence[tuple[str, torch.Tensor, torch.Tensor]], conte
         ax.set_xlabel("relative distance r = n - m")
         ax.set_ylabel(r"$\frac{1}{d/2}\sum_j |S_j|$")
         ax.legend()
-        panels.append(_png(fig))
+        panels.append(png_bytes(fig))
     return panels
 
 
-@_styled
-def decay_curve_figure(distance: torch.Tensor, bound: torch.Tensor, label: str) -> bytes:
-    """One decay curve on a linear distance axis (``ropekit decay --png``), as seed 001's Figure 2."""
-    fig, ax = _figure(WIDTH, 3.6)
-    ax.plot(distance.tolist(), bound.tolist(), color=COLORS[0], lw=1.0, label=label)
-    ax.set_xlabel("relative distance r = n - m")
-    ax.set_ylabel(r"$\frac{1}{d/2}\sum_j |S_j|$")
-    ax.set_title(r"RoFormer long-term decay bound, $S_j = \sum_{i<j} e^{\mathrm{i} r \theta_i}$")
-    ax.legend()
-    return _png(fig)
-
-
-@_styled
+@styled
 def wavelength_figure(
     theta: torch.Tensor,
     inv_freq: torch.Tensor,
@@ -170,7 +159,7 @@ def wavelength_figure(
     original: int | None = None,
 ) -> bytes:
     """Wavelength ``2 pi / theta_i`` per pair (log axis), unscaled and as configured, against the context."""
-    fig, ax = _figure(WIDTH, 3.6)
+    fig, ax = new_figure(WIDTH, 3.6)
     pairs = list(range(len(theta)))
     ax.semilogy(pairs, (2 * math.pi / theta).tolist(), color="#8c959f", lw=1, marker=".", ms=3,
                 label=r"unscaled $2\pi/\theta_i$")
@@ -190,15 +179,15 @@ def wavelength_figure(
     ax.set_xlabel("pair index i")
     ax.set_ylabel("wavelength (tokens)")
     ax.legend(loc="lower right")
-    return _png(fig)
+    return png_bytes(fig)
 
 
-@_styled
+@styled
 def scaling_figure(rules: Sequence[tuple[str, torch.Tensor]], theta: torch.Tensor) -> list[bytes]:
     """Two panels: inv_freq per pair under each rule, and the interpolation ``theta_i / inv_freq_i``."""
     panels = []
     for ratio_panel in (False, True):
-        fig, ax = _figure(PANEL, 3.9)
+        fig, ax = new_figure(PANEL, 3.9)
         for k, (label, inv_freq) in enumerate(rules):
             pairs = list(range(len(inv_freq)))
             style = {"color": COLORS[k % len(COLORS)], "lw": 2.2 if k == 0 else 1.2, "label": label,
@@ -215,11 +204,11 @@ def scaling_figure(rules: Sequence[tuple[str, torch.Tensor]], theta: torch.Tenso
             ax.set_ylabel("inv_freq (rad/token)")
         ax.set_xlabel("pair index i")
         ax.legend()
-        panels.append(_png(fig))
+        panels.append(png_bytes(fig))
     return panels
 
 
-@_styled
+@styled
 def attention_figure(
     distance: torch.Tensor,
     series: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
@@ -234,7 +223,7 @@ def attention_figure(
         theory: an expected curve to draw dashed (Men et al.'s ``2 B_r / sqrt(d)``), if given.
         context: a vertical line at the context length, if given.
     """
-    fig, ax = _figure(WIDTH, 3.6)
+    fig, ax = new_figure(WIDTH, 3.6)
     x = distance.tolist()
     for k, (label, mean, std) in enumerate(series):
         ax.plot(x, mean.tolist(), color=COLORS[k], lw=1.1, label=label)
@@ -248,15 +237,15 @@ def attention_figure(
     ax.set_xlabel("relative distance r")
     ax.set_ylabel(r"$q^\top R_r k\,/\sqrt{d}$")
     ax.legend()
-    return _png(fig)
+    return png_bytes(fig)
 
 
-@_styled
+@styled
 def sinusoidal_figure(
     positions: torch.Tensor, terms: dict[str, torch.Tensor], rope: torch.Tensor, distance: int
 ) -> bytes:
     """Seed 002: the four terms of ``(x_m+p_m)^T W (x_n+p_n)`` and RoPE's single term against absolute position."""
-    fig, ax = _figure(WIDTH, 4.0)
+    fig, ax = new_figure(WIDTH, 4.0)
     x = positions.tolist()
     for k, (name, values) in enumerate(terms.items()):
         label = f"{name}: {TERM_FORMULAS[name]}" if name in TERM_FORMULAS else name
@@ -266,13 +255,13 @@ def sinusoidal_figure(
     ax.set_xlabel(f"absolute position m (n = m + {distance})")
     ax.set_ylabel("score contribution")
     ax.legend(ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.2))
-    return _png(fig)
+    return png_bytes(fig)
 
 
-@_styled
+@styled
 def margin_figure(positions: torch.Tensor, curves: Sequence[tuple[str, torch.Tensor]], context: int) -> bytes:
     """Men et al.'s ``B_m = sum_i cos(m theta_i)`` against ``m``: negative means similar tokens lose to random ones."""
-    fig, ax = _figure(WIDTH, 3.4)
+    fig, ax = new_figure(WIDTH, 3.4)
     for k, (label, margin) in enumerate(curves):
         ax.plot(positions.tolist(), margin.tolist(), color=COLORS[k], lw=0.7, label=label, alpha=0.9)
     ax.axhline(0, color="black", lw=0.9)
@@ -280,4 +269,4 @@ def margin_figure(positions: torch.Tensor, curves: Sequence[tuple[str, torch.Ten
     ax.set_xlabel("relative distance m (tokens)")
     ax.set_ylabel(r"$B_m = \sum_i \cos(m\theta_i)$")
     ax.legend()
-    return _png(fig)
+    return png_bytes(fig)

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .figures import DPI, PANEL, _png, _styled
+from .figures import DPI, PANEL, png_bytes, styled
 
 
-@_styled
+@styled
 def score_map_figure(maps: Sequence[tuple[str, torch.Tensor]]) -> list[bytes]:
     """One panel per ``(title, (h, w) score map)``: the centre patch's score against every patch.
 
@@ -31,5 +31,5 @@ def score_map_figure(maps: Sequence[tuple[str, torch.Tensor]]) -> list[bytes]:
         ax.set_xlabel("column offset from the centre (w)")
         ax.set_ylabel("row offset (h)")
         fig.colorbar(image, ax=ax, shrink=0.85, label="score / pairs")
-        panels.append(_png(fig))
+        panels.append(png_bytes(fig))
     return panels

@@ -1,7 +1,7 @@
 """What the character-LM experiments accept: encodings and sizes.
 
-Torch-free on purpose: the ``train`` / ``extrapolate`` verbs (:mod:`ropekit.cli.train`,
-:mod:`ropekit.cli.extrapolate`) build their ``--help`` from it without importing torch.
+Torch-free on purpose: the ``train`` / ``extrapolate`` verbs (:mod:`ropekit_lab.verbs.train`,
+:mod:`ropekit_lab.verbs.extrapolate`) build their ``--help`` from it without importing torch.
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..functional import apply_rotary
-from ..rope.frequencies import base_inv_freq, cos_sin
+from ropekit import apply_rotary, base_inv_freq, cos_sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

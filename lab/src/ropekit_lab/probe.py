@@ -1,22 +1,23 @@
 """``ropekit probe``: how a pretrained RoPE model uses its rotary pairs, and which pairing it was trained with.
 
 The model runs once over real text, patched with ropekit (:func:`ropekit.integrations.transformers.patch`)
-with a capture callback that hands each layer's q and k, before and after the rotation, to
-:func:`ropekit.lab.probe_stats.layer_statistics` (a progress bar counts the layers). The pairing
+while :func:`ropekit_lab.capture.capturing` hands each layer's q and k, before and after the rotation,
+to :func:`ropekit_lab.probe_stats.layer_statistics` (a progress bar counts the layers). The pairing
 is asked twice: of the weights (:mod:`ropekit.rope.pairing`, the model's rows and, for a GGUF, the
 rows as the file stores them) and of the loss (the same text rotated in each layout; the pairing
 the model was trained with predicts it far better). Without ``--quick`` the loss is also measured
 with the slowest pairs left unrotated (p-RoPE, Barbero et al. 2024, without training).
 
 :func:`probe` returns the JSON document (schema ``ropekit.probe/1``, docs/probe.md), from which
-the page and its figures are drawn (:mod:`ropekit.lab.probe_page`);
-:func:`ropekit.lab.probe_output.write_outputs` writes ``probe.json``, the PNG figures and
+the page and its figures are drawn (:mod:`ropekit_lab.probe_page`);
+:func:`ropekit_lab.probe_output.write_outputs` writes ``probe.json``, the PNG figures and
 ``index.html`` as one folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -28,13 +29,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..checkpoints.pairing import detect_tensors_layout, qk_projections
-from ..checkpoints.qk_tensors import find_layers
-from ..checkpoints.source import HeadSpec
-from ..config import RopeConfig
-from ..integrations.transformers import patch, unpatch
-from ..rope.pairing import LayoutEvidence, detect_layout, frequency_index, head_log_row_norms, log_likelihood_ratio
-from ..rope.scaling import Proportional
+from ropekit import LayoutEvidence, RopeConfig, detect_layout
+from ropekit.checkpoints import HeadSpec, detect_tensors_layout, find_layers, qk_projections
+from ropekit.integrations.transformers import patch, unpatch
+from ropekit.rope.pairing import frequency_index, head_log_row_norms, log_likelihood_ratio
+from ropekit.scaling import Proportional
+
+from .capture import capturing
 from .probe_models import LoadedModel, file_projections
 from .probe_output import check_out_folder, one_line_summary, write_outputs
 from .probe_stats import SINK, THRESHOLD, Geometry, head_kind, layer_statistics, slow_pairs
@@ -122,10 +123,15 @@ def file_evidence(loaded: LoadedModel, rope: RopeConfig) -> dict[str, Any] | Non
 
 
 def token_losses(model: Any, ids: torch.Tensor, rope: RopeConfig, capture: Any = None) -> torch.Tensor:
-    """Per-token next-token NLL (nats, float64 ``(N - 1,)``) with the model patched to rotate by ``rope``."""
-    patch(model, rope=rope, capture=capture)
+    """Per-token next-token NLL (nats, float64 ``(N - 1,)``) with the model patched to rotate by ``rope``.
+
+    ``capture``: a :func:`ropekit_lab.capture.capturing` callback, or ``None``. With one, the model is
+    patched with ``fuse=False`` (its own q/k norms run), so that the captured tensors are the modeling code's.
+    """
+    patch(model, rope=rope, fuse=capture is None)
     try:
-        with torch.no_grad():
+        watching = capturing(model, capture) if capture is not None else contextlib.nullcontext()
+        with torch.no_grad(), watching:
             logits = model(ids).logits[0, :-1].float()
     finally:
         unpatch(model)
@@ -147,7 +153,10 @@ def compare_losses(nll: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 class Capture:
-    """The ``capture=`` callback: each layer's statistics (:func:`layer_statistics`), keyed by ``layer_idx``."""
+    """The :func:`ropekit_lab.capture.capturing` callback: each layer's statistics, keyed by ``layer_idx``.
+
+    The statistics are :func:`ropekit_lab.probe_stats.layer_statistics` of the layer's q and k.
+    """
 
     def __init__(self, rope: RopeConfig, inv_freq: torch.Tensor, bar: LayerBar) -> None:
         self.rope, self.inv_freq, self.bar = rope, inv_freq, bar

@@ -1,6 +1,6 @@
 """Figures of ``ropekit probe`` (matplotlib on an Agg canvas, PNG bytes), in the report's style.
 
-Each function takes the probe's JSON document (:mod:`ropekit.lab.probe`) and returns PNG bytes,
+Each function takes the probe's JSON document (:mod:`ropekit_lab.probe`) and returns PNG bytes,
 or a list of them for panels the page lays side by side on a wide screen and stacks on a phone.
 """
 
@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from .figures import COLORS, PANEL, _figure, _png, _styled
+from .figures import COLORS, PANEL, new_figure, png_bytes, styled
 
 
-@_styled
+@styled
 def pair_norm_figure(document: dict[str, Any]) -> bytes:
     """Mean q and k pair norm (over layers, heads, tokens) against the pair's wavelength, context marked."""
     summary, rope, tokens = document["summary"], document["rope"], document["text"]["tokens"]
-    fig, ax = _figure(height=3.6)
+    fig, ax = new_figure(height=3.6)
     for k, role in enumerate(("q", "k")):
         norms = torch.tensor(document["heads"][f"{role}_pair_norm"], dtype=torch.float64)  # (layers, heads, P)
         per_layer = norms.mean(dim=1)
@@ -31,10 +31,10 @@ def pair_norm_figure(document: dict[str, Any]) -> bytes:
     ax.set_xlabel("wavelength 2π/θᵢ of the pair (tokens, log axis): fast pairs left, slow right")
     ax.set_ylabel("mean pair norm √(xₐ² + x_b²)")
     ax.legend(loc="upper left")
-    return _png(fig)
+    return png_bytes(fig)
 
 
-@_styled
+@styled
 def heads_figure(document: dict[str, Any]) -> list[bytes]:
     """Layer x head heat maps of the diagonal, previous-token and sink mass (three panels)."""
     heads = document["heads"]
@@ -42,7 +42,7 @@ def heads_figure(document: dict[str, Any]) -> list[bytes]:
     for key, title in (("diagonal", "diagonal: mass at distance 0"), ("previous_token", "previous token: distance 1"),
                        ("sink", "sink: mass on the first token")):
         values = torch.tensor(heads[key], dtype=torch.float64)
-        fig, ax = _figure(PANEL * 0.75, 4.0)
+        fig, ax = new_figure(PANEL * 0.75, 4.0)
         ax.grid(False)
         image = ax.imshow(values.tolist(), aspect="auto", origin="lower", vmin=0, vmax=1, cmap="viridis",
                           interpolation="nearest")
@@ -50,17 +50,17 @@ def heads_figure(document: dict[str, Any]) -> list[bytes]:
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         fig.colorbar(image, ax=ax, fraction=0.08)
-        panels.append(_png(fig))
+        panels.append(png_bytes(fig))
     return panels
 
 
-@_styled
+@styled
 def distance_figure(document: dict[str, Any], top: int = 4) -> bytes:
     """Attention mass against distance (log-log): the mean over all heads and the strongest positional heads."""
     profiles = document["heads"]["attention_by_distance"]
     mean = document["summary"]["mean_attention_by_distance"]
     distance = list(range(len(mean)))
-    fig, ax = _figure(height=3.8)
+    fig, ax = new_figure(height=3.8)
 
     def plot(values, **style):
         ax.plot([d + 1 for d in distance], [max(v, 1e-6) for v in values], **style)
@@ -77,10 +77,10 @@ def distance_figure(document: dict[str, Any], top: int = 4) -> bytes:
     ax.set_xlabel("distance + 1 (tokens, log axis; 1 = the token itself)")
     ax.set_ylabel("mean attention (first token excluded)")
     ax.legend(fontsize=8, ncol=2, loc="lower left")
-    return _png(fig)
+    return png_bytes(fig)
 
 
-@_styled
+@styled
 def pairing_figure(document: dict[str, Any]) -> list[bytes]:
     """The detector explained, for the model's rows and (GGUF) the file's rows: two panels.
 
@@ -93,7 +93,7 @@ def pairing_figure(document: dict[str, Any]) -> list[bytes]:
     if pairing.get("file_rows"):
         sources.append(("file's rows (GGUF)", pairing["file_rows"]))
     sources = [(label, record) for label, record in sources if "profile_k" in record]
-    profile, ax = _figure(PANEL, 3.6)
+    profile, ax = new_figure(PANEL, 3.6)
     for k, (label, record) in enumerate(sources):
         for reading, style in (("half", "-"), ("interleaved", ":")):
             ax.plot(record["profile_k"][reading], color=COLORS[k], ls=style, marker=".",
@@ -101,7 +101,7 @@ def pairing_figure(document: dict[str, Any]) -> list[bytes]:
     ax.set_xlabel("pair index i each reading gives the channel")
     ax.set_ylabel("mean ln ‖row‖ (k heads)")
     ax.legend(fontsize=8)
-    votes, bx = _figure(PANEL, 3.6)
+    votes, bx = new_figure(PANEL, 3.6)
     for k, (label, record) in enumerate(sources):
         llr = torch.tensor(record["llr"], dtype=torch.float64)
         limit = float(llr.abs().quantile(0.99))
@@ -110,14 +110,14 @@ def pairing_figure(document: dict[str, Any]) -> list[bytes]:
     bx.set_xlabel("per-head log-likelihood ratio (> 0: half)")
     bx.set_ylabel("heads")
     bx.legend(fontsize=8)
-    return [_png(profile), _png(votes)]
+    return [png_bytes(profile), png_bytes(votes)]
 
 
-@_styled
+@styled
 def p_rope_figure(document: dict[str, Any]) -> bytes:
     """Loss against the share ``p`` of pairs rotated (p-RoPE without training)."""
     rows = document["p_rope"]["rows"]
-    fig, ax = _figure(height=3.2)
+    fig, ax = new_figure(height=3.2)
     ax.plot([r["p"] for r in rows], [r["loss"] for r in rows], marker="o", color=COLORS[0])
     for r in rows:
         ax.annotate(f"{r['rotated_pairs']} pairs", (r["p"], r["loss"]), textcoords="offset points", xytext=(4, 6),
@@ -125,7 +125,7 @@ def p_rope_figure(document: dict[str, Any]) -> bytes:
     ax.set_xlabel("p: share of the pairs still rotated (the fastest ones)")
     ax.set_ylabel("loss (nats/token)")
     ax.set_xlim(-0.05, 1.12)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def wavelength_label(wavelength: float) -> str:

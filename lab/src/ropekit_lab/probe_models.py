@@ -2,13 +2,13 @@
 
 Every source is checked before its weights are loaded: the directory or file exists, transformers
 reads its config, ropekit reads its RoPE, the config agrees with the weights' names and shapes
-(read from the file headers, :mod:`ropekit.lab.probe_inputs`: the layer count before anything is
+(read from the file headers, :mod:`ropekit_lab.probe_inputs`: the layer count before anything is
 built), and the model family is one :func:`ropekit.integrations.transformers.patch` supports
 (checked on a copy built on the ``meta`` device: no memory, no time). What transformers refuses,
 including a crafted config it trips over (a zero head count, a negative size), becomes one
 ``ValueError`` naming the option, so the command line prints one line.
 Remote code is never run: every transformers call passes ``trust_remote_code=False``, and a
-folder that needs its own code is refused before loading (:mod:`ropekit.lab.remote_code`).
+folder that needs its own code is refused before loading (:mod:`ropekit_lab.remote_code`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from ..config import RopeConfig
-from ..integrations.transformers import patchable_modules
+from ropekit import RopeConfig
+from ropekit.integrations.transformers import patchable_modules
+
 from .probe_inputs import check_gguf_layer_count, check_layer_count, check_shapes, directory_shapes, gguf_summary
 from .remote_code import NO_REMOTE_CODE, refuse_remote_code
 
@@ -139,17 +140,11 @@ def load_model_dir(path: str | Path, option: str = "--model") -> LoadedModel:
     return LoadedModel(model, tokenizer, "model", str(directory), seconds=time.perf_counter() - start)
 
 
-def _require_gguf_packages(option: str) -> None:
-    import importlib.util
-
-    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ValueError(f"{option} needs the {' and '.join(missing)} package(s): pip install "
-                         f"{' '.join(missing)}")
-
-
 def load_gguf(path: str | Path, option: str = "--gguf") -> LoadedModel:
-    """A ``.gguf`` file through transformers (which un-permutes LLaMA-type q/k rows), and its own q/k rows."""
+    """A ``.gguf`` file through transformers (which un-permutes LLaMA-type q/k rows), and its own q/k rows.
+
+    Needs the ``gguf`` and ``accelerate`` packages (``ropekit probe`` checks them before any work).
+    """
     from .smollm2_cache import gguf_qk_rows
 
     start = time.perf_counter()
@@ -159,7 +154,6 @@ def load_gguf(path: str | Path, option: str = "--gguf") -> LoadedModel:
     with open(file, "rb") as handle:
         if handle.read(4) != b"GGUF":
             raise ValueError(f"{option} {str(path)!r}: not a GGUF file (it does not start with b'GGUF')")
-    _require_gguf_packages(option)
     metadata, shapes = gguf_summary(file, option, str(path))
     check_gguf_layer_count(metadata, shapes, option, str(path))
     model, tokenizer = _load(file.parent, option, str(path), gguf_file=file.name)
@@ -178,7 +172,6 @@ def load_example() -> LoadedModel:
     from .smollm2_cache import QK_FILE, build_hf_dir, cached_hf_dir
 
     start = time.perf_counter()
-    _require_gguf_packages("--example")
     directory = cached_hf_dir()
     if directory is not None:
         loaded = load_model_dir(directory, "--example")

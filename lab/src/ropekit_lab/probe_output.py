@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..files import make_directory, replace_directory, staging_directory, write_file
+from ropekit.files import make_directory, replace_directory, staging_directory, write_file
 
 
 def check_out_folder(out: str | Path) -> Path:

@@ -1,6 +1,6 @@
 """The HTML page of ``ropekit probe``: the probe's JSON document as sections, tables and figures.
 
-Built with the report's blocks (:mod:`ropekit.lab.report_html`: escaped text, tables that say what
+Built with the report's blocks (:mod:`ropekit_lab.report_html`: escaped text, tables that say what
 their columns mean, captioned figures, one self-contained page) and passes the same headless
 browser layout test as the report.
 """

@@ -16,7 +16,7 @@ MAX_TEXT_BYTES = 16 * 1024 * 1024
 
 
 def default_text() -> tuple[str, str]:
-    """``(text, label)``: the held-out chapters of the lab's KJV split (:mod:`ropekit.lab.charlm`), in order."""
+    """``(text, label)``: the held-out chapters of the lab's KJV split (:mod:`ropekit_lab.charlm`), in order."""
     from .charlm import fetch_kjv, read_verses, split_verses
 
     _, val = split_verses(read_verses(fetch_kjv()))

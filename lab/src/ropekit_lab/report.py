@@ -18,15 +18,17 @@ from typing import Any
 
 import torch
 
-from .. import files
-from ..rope.analysis import decay_bound, describe, similarity_margin
+from ropekit import base_inv_freq, files
+from ropekit.cli.inspect_json import describe
+from ropekit.rope.analysis import decay_bound, similarity_margin
+
 from . import figures
 from .experiments import attention_vs_distance, scaling_comparison, sinusoidal_terms
 from .report_html import drawn_figure, esc, num, page, table
 from .report_multiaxis import add_section as add_multiaxis_section
 from .report_speed import speed_section
 
-#: HTML of the terms of :func:`ropekit.lab.experiments.sinusoidal_terms`.
+#: HTML of the terms of :func:`ropekit_lab.experiments.sinusoidal_terms`.
 TERM_HTML = {
     "content-content": "x<sub>m</sub><sup>T</sup>W x<sub>n</sub>",
     "content-position": "x<sub>m</sub><sup>T</sup>W p<sub>n</sub>",
@@ -72,7 +74,8 @@ class _Report:
     def figure(self, name: str, draw: Callable[[], bytes | list[bytes]], caption: str, alt: str) -> str:
         """Draw, keep the PNG(s) as ``name.png`` (or ``name-1.png``, ...) and return the ``<figure>``.
 
-        Without matplotlib (``pip install 'ropekit[report]'``) the page says so in place of the figure.
+        Without matplotlib (a dependency of the lab; ``ropekit report`` refuses to start without it) the page
+        says so in place of the figure.
         """
         return drawn_figure(self.files, self.can_plot, name, draw, caption, alt)
 
@@ -162,8 +165,6 @@ class _Report:
         curves = [(f"base {num(self.config.base)}", similarity_margin(self.theta, positions))]
         bound = (self.info["base_lower_bound"] or {}).get("base")  # None for axial plans (not one ladder)
         if bound:
-            from ..rope.frequencies import base_inv_freq
-
             curves.append((f"base {num(bound, 3)} (Men et al. bound)",
                            similarity_margin(base_inv_freq(self.config.rotary_dim, bound), positions)))
         if self.scaled:
@@ -252,7 +253,7 @@ class _Report:
         results = run_all()
         rows = [[esc(c.name), esc(c.claim), c.error, c.bound,
                  '<span class="ok">pass</span>' if c.passed else '<span class="bad">FAIL</span>'] for c in results]
-        columns = [("check", "the name of the check in <code>ropekit.lab.checks</code>"),
+        columns = [("check", "the name of the check in <code>ropekit_lab.checks</code>"),
                    ("claim", "the property, as the seeds state it"),
                    ("measured error", "the largest deviation measured now"),
                    ("bound", "the deviation the check allows (float32 rounding)"),
@@ -284,7 +285,7 @@ class _Report:
         else:
             body = ("<p>The benchmark is not available in this installation"
                     + (f" ({esc(error)})" if error else "") + ". Run <code>ropekit bench</code> where it is "
-                    "installed; its speed table appears here once <code>ropekit.lab.bench</code> exists.</p>")
+                    "installed; its speed table appears here once <code>ropekit_lab.bench</code> exists.</p>")
         self.sections.append(("bench", "Speed", body))
 
     def html(self, seconds: float) -> str:
@@ -338,11 +339,11 @@ def _config_terms(has_parameters: bool) -> list[tuple[str, str]]:
 
 
 def _bench_rows() -> tuple[list[dict] | None, str | None]:
-    """Rows of ``ropekit.lab.bench.run(quick=True)``, or ``(None, reason)``."""
-    if importlib.util.find_spec("ropekit.lab.bench") is None:
+    """Rows of ``ropekit_lab.bench.run(quick=True)``, or ``(None, reason)``."""
+    if importlib.util.find_spec("ropekit_lab.bench") is None:
         return None, None
     try:
-        bench = importlib.import_module("ropekit.lab.bench")
+        bench = importlib.import_module("ropekit_lab.bench")
         return [dict(row) for row in bench.run(quick=True)], None
     except Exception as exc:  # noqa: BLE001 -- an optional section must not lose the whole report
         return None, f"{type(exc).__name__}: {exc}"

@@ -161,12 +161,12 @@ def drawn_figure(files: dict[str, bytes], can_plot: bool, name: str, draw: Calla
                  caption: str, alt: str) -> str:
     """Draw, keep the PNG(s) in ``files`` as ``name.png`` (or ``name-1.png``, ...) and return the ``<figure>``.
 
-    Without matplotlib (``can_plot`` false; ``pip install 'ropekit[report]'``) nothing is drawn and
-    the page says so in place of the figure.
+    Without matplotlib (``can_plot`` false; a dependency of the lab) nothing is drawn and the page
+    says so in place of the figure.
     """
     if not can_plot:
         return (f'<p class="muted">[Figure left out: matplotlib is not installed; <code>pip install '
-                f"'ropekit[report]'</code> draws it.] {caption}</p>")
+                f"matplotlib</code> draws it.] {caption}</p>")
     png = draw()
     panels = [png] if isinstance(png, bytes) else png
     names = [f"{name}.png"] if len(panels) == 1 else [f"{name}-{k + 1}.png" for k in range(len(panels))]

@@ -21,11 +21,10 @@ from typing import Any
 
 import torch
 
-from ..functional import apply_rotary
-from ..nn import MixedRotaryEmbedding
-from ..rope.axes import AxisPlan
-from ..rope.grids import patch_grid
-from ..rope.plans import named_plan
+from ropekit import AxisPlan, apply_rotary
+from ropekit.multiaxis import named_plan, patch_grid
+from ropekit.nn import MixedRotaryEmbedding
+
 from .report_html import esc, table
 
 GRID = (33, 33)  # odd: the centre is a patch

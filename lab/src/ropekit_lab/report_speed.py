@@ -1,4 +1,4 @@
-"""The report's speed section: rows of :func:`ropekit.lab.bench.run` as a table that says what it shows.
+"""The report's speed section: rows of :func:`ropekit_lab.bench.run` as a table that says what it shows.
 
 Above the table: the shapes with their dims, the legend of its columns; below it: what each
 implementation and mode that occurs is, and what each flag that occurs means. Flagged rows
@@ -42,7 +42,7 @@ def speed_section(rows: list[dict[str, Any]]) -> str:
     devices = ", ".join(dict.fromkeys(r["device"] for r in rows))
     flagged = sum(bool(r.get("flags")) for r in rows)
     intro = (
-        f"<p>From <code>ropekit.lab.bench.run(quick=True)</code> on {esc(devices)}. RoPE is memory-bound, so "
+        f"<p>From <code>ropekit_lab.bench.run(quick=True)</code> on {esc(devices)}. RoPE is memory-bound, so "
         "each row is timed in the same run as a floor that moves the same bytes: the ratio to it is the "
         "measurement, the absolute time on a shared machine is not. "
         + (f"<b>{flagged} of {len(rows)} rows are flagged</b>: their numbers reflect the machine, not the code."

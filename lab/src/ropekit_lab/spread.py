@@ -1,7 +1,7 @@
 """The extrapolation table over several seeds: mean and spread of ``ropekit extrapolate`` runs.
 
-``python -m ropekit.lab.spread [--rows A,B,...] OUT RUN [RUN ...]`` reads ``extrapolation.json`` from each RUN
-folder (checking, as :func:`ropekit.lab.train.load_results` does, that it describes the model
+``python -m ropekit_lab.spread [--rows A,B,...] OUT RUN [RUN ...]`` reads ``extrapolation.json`` from each RUN
+folder (checking, as :func:`ropekit_lab.train.load_results` does, that it describes the model
 files beside it), requires the runs to differ in their seed only, and writes into OUT:
 ``spread.json`` (per row: the values of each seed, their mean and sample standard deviation),
 ``spread.md`` (the Markdown table ``mean ± std``) and ``spread.png`` (mean with ±1 std bars
@@ -18,7 +18,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..files import write_bytes_atomic
+from ropekit.files import write_bytes_atomic
+
 from .train import load_results
 
 #: Settings that must agree between the runs of one table (the seed is what varies).
@@ -139,11 +140,11 @@ def write(out: str | Path, folders: list[str | Path], rows: list[str] | None = N
     return table
 
 
-USAGE = "usage: python -m ropekit.lab.spread [--rows A,B,...] OUT RUN RUN [RUN ...]   (RUN: an extrapolate --out)"
+USAGE = "usage: python -m ropekit_lab.spread [--rows A,B,...] OUT RUN RUN [RUN ...]   (RUN: an extrapolate --out)"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ropekit.lab.spread [--rows LIST] OUT RUN [RUN ...]``; 0, or 2 with one line on stderr."""
+    """``python -m ropekit_lab.spread [--rows LIST] OUT RUN [RUN ...]``; 0, or 2 with one line on stderr."""
     argv = list(sys.argv[1:] if argv is None else argv)
     rows = None
     if argv[:1] == ["--rows"] and len(argv) > 1:
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         table = write(argv[0], argv[1:], rows)
     except (ValueError, OSError) as exc:
-        print(f"ropekit.lab.spread: error: {exc}", file=sys.stderr)
+        print(f"ropekit_lab.spread: error: {exc}", file=sys.stderr)
         return 2
     print(markdown(table), end="")
     return 0

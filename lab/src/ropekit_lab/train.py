@@ -1,4 +1,4 @@
-"""``ropekit train``: train the character LM of :mod:`ropekit.lab.charlm` with one position encoding or all.
+"""``ropekit train``: train the character LM of :mod:`ropekit_lab.charlm` with one position encoding or all.
 
 Writes into ``--out``: one ``model-<encoding>-<attention>.pt`` per run (``torch.save`` of config,
 state_dict, vocab and the run's record), ``loss_curves.png`` and ``results.json`` (``{"runs":
@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from .. import files
-from ..files import write_bytes_atomic
+from ropekit import files
+from ropekit.files import write_bytes_atomic
+
 from .charlm import CharLM, CharLMConfig, Corpus, load_corpus, save_model
 from .options import COMPARE, DEFAULT, QUICK, Sizes, compare_encodings, sizes_for
 

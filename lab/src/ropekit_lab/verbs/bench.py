@@ -1,11 +1,13 @@
-"""``ropekit bench``: every backend and installed peer against a plain copy (:mod:`ropekit.lab.bench`)."""
+"""``ropekit bench``: every backend and installed peer against a plain copy (:mod:`ropekit_lab.bench`)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from .common import MAX_THREADS, positive, print_json
+from ropekit.cli import positive, print_json
+
+from .common import MAX_THREADS
 
 
 def add_parser(verbs: Any) -> None:
@@ -20,10 +22,10 @@ def add_parser(verbs: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Time every backend against a plain copy of the same bytes (see ropekit.lab.bench)."""
+    """Time every backend against a plain copy of the same bytes (see :mod:`ropekit_lab.bench`)."""
     import torch
 
-    from ..lab import bench
+    from .. import bench
 
     if args.threads:
         torch.set_num_threads(args.threads)

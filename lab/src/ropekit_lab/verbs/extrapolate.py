@@ -1,11 +1,13 @@
-"""``ropekit extrapolate``: train short, evaluate at 1x-8x the length (``ropekit.lab.extrapolate``)."""
+"""``ropekit extrapolate``: train short, evaluate at 1x-8x the length (:mod:`ropekit_lab.extrapolate`)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from ..lab.options import (
+from ropekit.cli import UserError, add_out_argument, at_least
+
+from ..options import (
     ATTENTIONS,
     COMPARE,
     ENCODINGS,
@@ -14,9 +16,7 @@ from ..lab.options import (
     QUICK_EXTRAPOLATE,
     SOFTMAX_ONLY,
 )
-from .common import MAX_STEPS, at_least, lab_arguments
-from .errors import UserError
-from .outputs import add_out_argument
+from .common import MAX_STEPS, lab_arguments
 from .train import rope_fraction_argument
 
 
@@ -55,6 +55,6 @@ def run(args: argparse.Namespace) -> int:
     if refused:
         verb = "acts" if len(refused) == 1 else "act"
         raise UserError(f"--encodings: {', '.join(refused)} {verb} on softmax logits: use --attention softmax")
-    from ..lab.extrapolate import run as extrapolate
+    from ..extrapolate import run as extrapolate
 
     return extrapolate(args)

@@ -1,14 +1,15 @@
-"""``ropekit probe``: how a pretrained RoPE model uses its rotary pairs, and its pairing (``ropekit.lab.probe``)."""
+"""``ropekit probe``: how a pretrained RoPE model uses its rotary pairs, and its pairing (:mod:`ropekit_lab.probe`)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from .common import MAX_THREADS, at_least
-from .outputs import add_out_argument
+from ropekit.cli import add_out_argument, at_least
 
-QUICK_TOKENS, DEFAULT_TOKENS = 256, 1024  # ropekit.lab.probe's, spelled out so that --help does not import torch
+from .common import FIGURES, MAX_THREADS, needs
+
+QUICK_TOKENS, DEFAULT_TOKENS = 256, 1024  # ropekit_lab.probe's, spelled out so that --help does not import torch
 #: The most tokens probed: every layer's statistics hold a heads x N x N attention matrix.
 MAX_TOKENS = 8192
 
@@ -44,12 +45,15 @@ def add_parser(verbs: Any) -> argparse.ArgumentParser:
                         help="CPU threads (default 1, whatever OMP_NUM_THREADS says: a second thread costs much "
                         "when other jobs share the cores)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    needs(parser, ("transformers", "safetensors", *FIGURES))
+    for option in ("gguf", "example"):  # transformers reads GGUF files with these (the example is one)
+        needs(parser, ("gguf", "accelerate"), when=option)
     parser.set_defaults(func=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """Probe (imports torch, transformers and the lab only now)."""
-    from ..lab.probe import run as probe
+    from ..probe import run as probe
 
     return probe(args)

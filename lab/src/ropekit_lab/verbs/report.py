@@ -1,4 +1,4 @@
-"""``ropekit report``: the HTML report on a config (``ropekit.lab.report``)."""
+"""``ropekit report``: the HTML report on a config (:mod:`ropekit_lab.report`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import argparse
 import sys
 from typing import Any
 
-from .common import config_arguments, load_config, one_thread, print_json
-from .outputs import add_out_argument
+from ropekit.cli import add_out_argument, config_arguments, load_config, one_thread, print_json
+
+from .common import FIGURES, needs
 
 
 def add_parser(verbs: Any) -> None:
@@ -19,13 +20,14 @@ def add_parser(verbs: Any) -> None:
     config_arguments(report)
     report.add_argument("--quick", action="store_true", help="small sizes: under a minute on two cores")
     report.add_argument("--json", action="store_true", help="print a JSON summary instead of the path")
+    needs(report, FIGURES)
     report.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Write the HTML report (figures, live checks, speed table) and print the path of index.html."""
     one_thread()
-    from ..lab.report import write_report
+    from ..report import write_report
 
     config, label = load_config(args.config, args.preset, args.layer_type)
     summary = write_report(args.out, config, label, quick=args.quick)

@@ -1,14 +1,14 @@
-"""``ropekit train``: the character LM on the KJV corpus with each position encoding (``ropekit.lab.train``)."""
+"""``ropekit train``: the character LM on the KJV corpus with each position encoding (:mod:`ropekit_lab.train`)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from ..lab.options import ATTENTIONS, COMPARE, ENCODINGS, QUICK, ROPE_FRACTION, SOFTMAX_ONLY
+from ropekit.cli import UserError, add_out_argument
+
+from ..options import ATTENTIONS, COMPARE, ENCODINGS, QUICK, ROPE_FRACTION, SOFTMAX_ONLY
 from .common import lab_arguments
-from .errors import UserError
-from .outputs import add_out_argument
 
 
 def fraction(text: str) -> float:
@@ -52,6 +52,6 @@ def run(args: argparse.Namespace) -> int:
     """Train (imports torch and the lab only now); an encoding the attention cannot use is refused first."""
     if args.encoding in SOFTMAX_ONLY and args.attention != "softmax" and not args.compare:
         raise UserError(f"--encoding {args.encoding} acts on softmax logits: it needs --attention softmax")
-    from ..lab.train import run as train
+    from ..train import run as train
 
     return train(args)

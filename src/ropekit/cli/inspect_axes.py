@@ -1,18 +1,18 @@
-"""What ``ropekit inspect`` says about a multi-axis plan: each pair's axis, and wavelengths per axis."""
+"""What ``ropekit inspect --json`` says about a multi-axis plan: each pair's axis, and wavelengths per axis."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from .axes import AxisPlan
+from ..rope.axes import AxisPlan
 
 
 def axis_summary(plan: AxisPlan, context: int) -> dict[str, Any]:
     """JSON-ready description of a plan's axes.
 
     Args:
-        plan: the :class:`~ropekit.rope.axes.AxisPlan`.
+        plan: the :class:`ropekit.AxisPlan`.
         context: the extent (in position units) against which "completes a rotation" is counted.
 
     Returns:
