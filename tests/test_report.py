@@ -30,7 +30,7 @@ from ropekit_lab import report as report_module
 torch.set_num_threads(1)
 
 SCRIPT = Path(sys.executable).parent / "ropekit"
-COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ropekit.cli"]
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ropekit"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 if ENV.get("PYTHONPATH"):  # the console script runs in a temporary directory: a relative entry must not move
     ENV["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry) for entry in ENV["PYTHONPATH"].split(os.pathsep))
