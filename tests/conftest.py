@@ -1,9 +1,15 @@
-"""Shared test setup: one thread (reproducible timings on small CI machines) and a hypothesis profile."""
+"""Shared test setup: one thread (reproducible timings on small CI machines), a hypothesis profile, the lab.
+
+A source checkout whose lab is not installed gets it from ``lab/src`` (:mod:`lab_source`).
+"""
 
 import os
 
+from lab_source import use_lab_sources
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+use_lab_sources()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

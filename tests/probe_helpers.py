@@ -45,8 +45,8 @@ def example_model():
     """The SmolLM2 example as ``ropekit probe --example`` loads it (skips when the package index is unreachable)."""
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    from ropekit.lab.probe_models import load_example
-    from ropekit.lab.smollm2 import RegistryUnreachable
+    from ropekit_lab.probe_models import load_example
+    from ropekit_lab.smollm2 import RegistryUnreachable
 
     try:
         return load_example()

@@ -1,4 +1,4 @@
-"""ropekit.rope.analysis / experiments / presets against independent numpy computations and RopeConfig."""
+"""ropekit.rope.analysis / inspect's JSON / the lab's experiments / presets against numpy and RopeConfig."""
 
 import json
 import math
@@ -10,10 +10,11 @@ import torch
 
 import ropekit
 from ropekit import RopeConfig
+from ropekit.cli import inspect_json
 from ropekit.config import presets
-from ropekit.lab import experiments
 from ropekit.rope import analysis
 from ropekit.scaling import Llama3, YaRN
+from ropekit_lab import experiments
 
 torch.set_num_threads(1)
 
@@ -125,7 +126,7 @@ def test_regimes_agree_with_the_rule(rule):
                                   "deepseek-v3.json", "llama-2-7b-dynamic-ntk.json"])
 def test_describe_matches_rope_config(name):
     config = RopeConfig.from_hf(json.loads((FIXTURES / name).read_text()))
-    info = analysis.describe(config, bound=False)
+    info = inspect_json.describe(config, bound=False)
     inv_freq, scale = config.inv_frequencies(info["seq_len"])
     assert info["inv_freq"] == inv_freq.tolist()
     assert info["attention_scale"] == scale and info["logit_scale"] == pytest.approx(scale**2)
@@ -138,11 +139,16 @@ def test_describe_matches_rope_config(name):
     json.dumps(info, allow_nan=False)
 
 
+def test_describe_takes_a_rope_config_only():
+    with pytest.raises(TypeError, match="config must be a ropekit.RopeConfig, got dict"):
+        inspect_json.describe({"head_dim": 64})
+
+
 def test_default_context_uses_factor_times_original():
     qwen = RopeConfig.from_hf(presets.get_preset("qwen2.5-yarn"))
-    assert analysis.default_context(qwen) == (131072, "factor x original_max_position_embeddings")
-    assert analysis.default_context(RopeConfig(64)) == (analysis.DEFAULT_CONTEXT, "assumed")
-    assert analysis.default_context(RopeConfig.from_hf(presets.get_preset("llama-2")))[0] == 4096
+    assert inspect_json.default_context(qwen) == (131072, "factor x original_max_position_embeddings")
+    assert inspect_json.default_context(RopeConfig(64)) == (inspect_json.DEFAULT_CONTEXT, "assumed")
+    assert inspect_json.default_context(RopeConfig.from_hf(presets.get_preset("llama-2")))[0] == 4096
 
 
 # -- presets ----------------------------------------------------------------------------------------

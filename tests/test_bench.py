@@ -1,4 +1,4 @@
-"""``ropekit.lab.bench``: the rows it produces (what is timed next to what), their spread and flags.
+"""``ropekit_lab.bench``: the rows it produces (what is timed next to what), their spread and flags.
 
 Never the timings themselves: the flagging logic is driven by synthetic timings.
 """
@@ -14,7 +14,7 @@ import torch
 
 from ropekit import ops
 from ropekit.cli.entry import main
-from ropekit.lab import bench, bench_rows
+from ropekit_lab import bench, bench_rows
 
 
 def test_rows_pair_every_backend_with_its_floor():

@@ -16,12 +16,13 @@ import ropekit
 from ropekit import RopeConfig
 from ropekit.checkpoints import storage
 from ropekit.cli import common as cli_common
-from ropekit.lab import probe_text
+from ropekit.cli import inspect_json
 from ropekit.rope import analysis, grids, mrope_positions
 from ropekit.rope.axes import mrope
 from ropekit.rope.frequencies import base_inv_freq
 from ropekit.rope.scaling import YaRN
 from ropekit.validation import MAX_FACTOR, MAX_POSITION, MAX_ROTARY_DIM
+from ropekit_lab import probe_text
 
 
 def test_the_cli_spells_the_library_limits_alike():
@@ -47,9 +48,9 @@ def test_scaling_factors_above_the_limit_are_refused():
 @pytest.mark.parametrize("context", [10**23, MAX_POSITION + 1])
 def test_describe_refuses_a_context_beyond_the_limit(context):
     with pytest.raises(ValueError, match=r"context must be at most 1,099,511,627,776 tokens"):
-        analysis.describe(RopeConfig(head_dim=64), context=context, bound=False)
+        inspect_json.describe(RopeConfig(head_dim=64), context=context, bound=False)
     with pytest.raises(ValueError, match=r"seq_len must be at most"):
-        analysis.describe(RopeConfig(head_dim=64), context=4096, seq_len=context, bound=False)
+        inspect_json.describe(RopeConfig(head_dim=64), context=4096, seq_len=context, bound=False)
 
 
 @pytest.mark.parametrize("value", [1e308, -1e308, float(MAX_POSITION) * 2])

@@ -151,7 +151,7 @@ def interrupted(args):
 
 
 def test_a_failed_run_removes_only_the_empty_folders_it_created(monkeypatch, tmp_path, capsys):
-    from ropekit.lab import train
+    from ropekit_lab import train
 
     monkeypatch.setattr(train, "run", interrupted)
     assert main(["train", "--out", str(tmp_path / "new" / "deeper")]) == 130
@@ -170,10 +170,10 @@ def test_a_failed_run_removes_only_the_empty_folders_it_created(monkeypatch, tmp
     assert (tmp_path / "kept" / "model.pt").read_bytes() == b"something of value"
 
 
-@pytest.mark.parametrize("verb, module, attribute", [("train", "ropekit.lab.train", "run"),
-                                                     ("extrapolate", "ropekit.lab.extrapolate", "run"),
-                                                     ("report", "ropekit.lab.report", "write_report"),
-                                                     ("probe", "ropekit.lab.probe", "run")])
+@pytest.mark.parametrize("verb, module, attribute", [("train", "ropekit_lab.train", "run"),
+                                                     ("extrapolate", "ropekit_lab.extrapolate", "run"),
+                                                     ("report", "ropekit_lab.report", "write_report"),
+                                                     ("probe", "ropekit_lab.probe", "run")])
 def test_unwritable_output_fails_before_the_work(monkeypatch, tmp_path, capsys, verb, module, attribute):
     monkeypatch.setattr(importlib.import_module(module), attribute, lambda *a, **k: pytest.fail("worked first"))
     a_file = tmp_path / "a-file"
@@ -297,14 +297,20 @@ def test_import_ropekit_is_lazy_and_complete():
         ropekit.apply_rotary_pos_emb  # noqa: B018
 
 
-def test_every_verb_is_a_module_of_the_cli_package(capsys):
+def test_every_verb_is_a_module_of_the_cli_package_or_of_the_lab(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["--help"])
     listed = capsys.readouterr().out
-    assert set(cli.VERBS) == set(VERBS) and all(verb in listed for verb in VERBS)
-    for verb in VERBS:  # one module per verb, each with its parser and its run
+    assert set(cli.VERBS) | set(cli.LAB_VERBS) == set(VERBS) and all(verb in listed for verb in VERBS)
+    assert "not installed" not in listed  # the lab is installed here: --help says nothing about installing it
+    for verb in cli.VERBS:  # one module per verb, each with its parser and its run
         module = importlib.import_module(f"ropekit.cli.{verb}")
         assert callable(module.add_parser) and callable(module.run), verb
+    points = cli.installed_verbs()
+    assert list(points) == list(cli.LAB_VERBS)  # the lab's verbs, through the entry-point group ropekit.verbs
+    for verb, point in points.items():
+        module = point.load()
+        assert module.__name__ == f"ropekit_lab.verbs.{verb}" and callable(module.add_parser) and callable(module.run)
 
 
 def test_a_closed_pipe_ends_quietly():
@@ -355,7 +361,7 @@ def test_an_interrupt_python_drops_in_a_callback_still_ends_the_run_with_no_outp
     parser = argparse.ArgumentParser(prog="ropekit")
     parser.add_argument("verb")
     parser.set_defaults(func=verb)
-    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(cli, "build_parser", lambda *plugins: parser)
     before = signal.getsignal(signal.SIGINT)
     assert main(["fake"]) == 130
     assert dropped == [KeyboardInterrupt]  # the interrupt really was dropped on the way

@@ -163,7 +163,8 @@ def test_channel_strided_caches_are_written_with_the_torch_backends_bits(dtype, 
 def test_require_native_fails_the_session_when_the_kernel_is_unavailable(tmp_path):
     """ROPEKIT_REQUIRE_NATIVE=1 (CI) turns an unbuildable kernel into a failed run, not ~150 skips."""
     (tmp_path / "test_one.py").write_text("def test_one():\n    assert True\n")
-    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    for name in ("conftest.py", "lab_source.py"):  # the conftest and the module it imports
+        (tmp_path / name).write_text((ROOT / "tests" / name).read_text())
     env = dict(os.environ, ROPEKIT_REQUIRE_NATIVE="1", ROPEKIT_DISABLE_NATIVE="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], env=env,

@@ -2,7 +2,7 @@
 
 SmolLM2-135M: transformers' rows (un-permuted to half when it loads the GGUF) and the rows the GGUF
 file stores (llama.cpp's interleaved order), read from the file with ``gguf``. The char-LMs
-(ropekit.lab.charlm) are trained here for 150 steps, one per layout; the loss under each
+(ropekit_lab.charlm) are trained here for 150 steps, one per layout; the loss under each
 layout confirms what the weights say. ``ropekit convert`` refuses, on both models, the
 conversion that would scramble them.
 """
@@ -17,8 +17,8 @@ from probe_helpers import example_model
 from ropekit import RopeConfig, detect_layout, permute_qk_weight
 from ropekit.checkpoints import detect_checkpoint_layout
 from ropekit.cli.entry import main
-from ropekit.lab.charlm import CharLM, CharLMConfig, load_corpus
 from ropekit.nn import RotaryEmbedding
+from ropekit_lab.charlm import CharLM, CharLMConfig, load_corpus
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -31,8 +31,8 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def file_rows(smollm2):
-    from ropekit.lab.smollm2 import smollm2_gguf
-    from ropekit.lab.smollm2_cache import gguf_qk_rows
+    from ropekit_lab.smollm2 import smollm2_gguf
+    from ropekit_lab.smollm2_cache import gguf_qk_rows
 
     return gguf_qk_rows(smollm2_gguf())  # from the .gguf itself, not the cache
 

@@ -1,12 +1,12 @@
 """bfloat16 accuracy: ropekit (float64 angles, float32 tables and math, one rounding) vs the HF recipe.
 
-Numbers come from :func:`ropekit.lab.precision.bf16_error_comparison`; the reference there is a
+Numbers come from :func:`ropekit_lab.precision.bf16_error_comparison`; the reference there is a
 float64 rotation written out with its own angles, not ropekit's apply.
 """
 
 import pytest
 
-from ropekit.lab.precision import bf16_error_comparison
+from ropekit_lab.precision import bf16_error_comparison
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from fs_step_helpers import Killed, stop_after
 from probe_helpers import PROMPT, direct_statistics, tiny_model_dir
 from ropekit import files
 from ropekit.cli.entry import main
-from ropekit.lab import probe as lab_probe
-from ropekit.lab.probe_models import load_model_dir
+from ropekit_lab import probe as lab_probe
+from ropekit_lab.probe_models import load_model_dir
 
 torch.set_num_threads(1)
 HEAD_KEYS = {"q_pair_norm", "k_pair_norm", "q_slow_energy_share", "k_slow_energy_share", "attention_by_distance",
@@ -68,7 +68,7 @@ def test_the_cli_writes_the_page_and_the_same_json_it_prints(llama, tmp_path, ca
 
 
 def test_the_help_tells_the_labs_own_defaults():
-    from ropekit.cli import probe as cli_probe
+    from ropekit_lab.verbs import probe as cli_probe
 
     assert (cli_probe.QUICK_TOKENS, cli_probe.DEFAULT_TOKENS) == (lab_probe.QUICK_TOKENS, lab_probe.DEFAULT_TOKENS)
 

@@ -11,7 +11,7 @@ import torch
 import browser_harness
 from browser_harness import WIDTHS, assert_fits, measure
 from probe_helpers import PROMPT, example_model
-from ropekit.lab import probe as lab_probe
+from ropekit_lab import probe as lab_probe
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)

@@ -16,7 +16,8 @@ import pytest
 
 from convert_helpers import ENV
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "ropekit"
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = [ROOT / "src" / "ropekit", ROOT / "lab" / "src" / "ropekit_lab"]  # the library and the lab
 LOADERS = ("from_pretrained", "from_config")
 
 
@@ -51,7 +52,7 @@ def test_a_folder_with_custom_code_is_refused_in_one_line_and_nothing_runs(tmp_p
 
 def test_an_unknown_model_type_is_refused_before_loading(tmp_path):
     pytest.importorskip("transformers")
-    from ropekit.lab.probe_models import load_model_dir
+    from ropekit_lab.probe_models import load_model_dir
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "ropekit_unknown"}))
@@ -79,13 +80,13 @@ def _forbids_remote_code(call: ast.Call) -> bool:
 
 def test_every_transformers_loader_in_ropekit_passes_trust_remote_code_false():
     calls = []
-    for path in sorted(SRC.rglob("*.py")):
+    for path in sorted(p for source in SOURCES for p in source.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for call in _loader_calls(tree):
-            calls.append((f"{path.relative_to(SRC)}:{call.lineno}", _forbids_remote_code(call)))
+            calls.append((f"{path.relative_to(ROOT)}:{call.lineno}", _forbids_remote_code(call)))
     assert calls, "no transformers loader found: the scan is broken"
     assert [where for where, ok in calls if not ok] == []
-    from ropekit.lab.remote_code import NO_REMOTE_CODE
+    from ropekit_lab.remote_code import NO_REMOTE_CODE
 
     assert NO_REMOTE_CODE == {"trust_remote_code": False}
 

@@ -13,7 +13,7 @@ import torch
 
 from probe_helpers import PROMPT, direct_statistics, example_model
 from ropekit.cli.entry import main
-from ropekit.lab import probe as lab_probe
+from ropekit_lab import probe as lab_probe
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -89,7 +89,7 @@ def test_slow_pairs_and_energy_share_follow_their_definitions(run):
 
 def test_gguf_file_transformers_rows_half_the_files_rows_interleaved(example, tmp_path, capsys):
     """``--gguf``: transformers loads (and un-permutes) the file; the probe reads the file's own rows too."""
-    from ropekit.lab.smollm2 import smollm2_gguf
+    from ropekit_lab.smollm2 import smollm2_gguf
 
     assert main(["probe", "--gguf", str(smollm2_gguf()), "--prompt", PROMPT, "--quick", "--json", "--no-progress",
                  "--out", str(tmp_path / "gguf")]) == 0

@@ -24,13 +24,13 @@ import torch
 
 from fs_step_helpers import stop_after
 from ropekit.cli.entry import main
-from ropekit.lab import bench_rows, report_html, report_speed
-from ropekit.lab import report as report_module
+from ropekit_lab import bench_rows, report_html, report_speed
+from ropekit_lab import report as report_module
 
 torch.set_num_threads(1)
 
 SCRIPT = Path(sys.executable).parent / "ropekit"
-COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ropekit.cli"]
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ropekit"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 if ENV.get("PYTHONPATH"):  # the console script runs in a temporary directory: a relative entry must not move
     ENV["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry) for entry in ENV["PYTHONPATH"].split(os.pathsep))
@@ -214,19 +214,19 @@ def test_bench_section_when_the_module_is_missing_or_fails(monkeypatch):
 
     fake = types.SimpleNamespace(summary={}, sections=[])
     monkeypatch.setattr(report_module.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setitem(sys.modules, "ropekit.lab.bench", types.SimpleNamespace(run=lambda quick: 1 / 0))
+    monkeypatch.setitem(sys.modules, "ropekit_lab.bench", types.SimpleNamespace(run=lambda quick: 1 / 0))
     report_module._Report.bench(fake)
     assert "ZeroDivisionError" in fake.sections[0][2]
 
     rows = [bench_row("copy (x.clone)", ms=1.5), bench_row("cpu", ms=0.5, ratio_copy=3.0, flags=["beats floor"])]
-    monkeypatch.setitem(sys.modules, "ropekit.lab.bench", types.SimpleNamespace(run=lambda quick: rows))
+    monkeypatch.setitem(sys.modules, "ropekit_lab.bench", types.SimpleNamespace(run=lambda quick: rows))
     fake = types.SimpleNamespace(summary={}, sections=[])
     report_module._Report.bench(fake)
     assert "<td>1.5</td>" in fake.sections[0][2] and "1&times;2&times;2&times;8&times;16" in fake.sections[0][2]
 
 
 def bench_row(impl, **values):
-    """A row as ``ropekit.lab.bench.run`` returns it, with made-up numbers."""
+    """A row as ``ropekit_lab.bench.run`` returns it, with made-up numbers."""
     row = {"shape": "tiny", "dims": [1, 2, 2, 8, 16], "dtype": "float32", "device": "cpu", "impl": impl,
            "mode": "out-of-place", "ms": 1.0, "min_ms": 0.9, "spread_pct": 2.0, "bytes": 8 << 20, "gbps": 8.4,
            "ratio_copy": 1.0, "ratio_hf": 3.0, "saved_mb": None, "peak_mb": None, "flags": [], "note": None}

@@ -2,7 +2,7 @@
 
 The harness (headless Chromium, the measurement and what counts as a defect) is in
 tests/browser_harness.py, shared with the probe's page. The reports come from
-:func:`ropekit.lab.report.write_report` with ``quick=True`` (the default configuration and a scaled
+:func:`ropekit_lab.report.write_report` with ``quick=True`` (the default configuration and a scaled
 preset, whose tables have more columns and rows) and one real quick benchmark, plus synthetic rows
 of the widest kinds a GPU run adds (Liger, ``torch.compile``, peak memory, both flags), so the speed
 table is measured at its widest.
@@ -16,8 +16,8 @@ import torch
 import browser_harness
 from browser_harness import WIDTHS, assert_fits, measure
 from ropekit.cli.common import load_config
-from ropekit.lab import bench
-from ropekit.lab import report as report_module
+from ropekit_lab import bench
+from ropekit_lab import report as report_module
 
 torch.set_num_threads(1)
 browser = browser_harness.browser

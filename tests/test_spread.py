@@ -1,4 +1,4 @@
-"""``python -m ropekit.lab.spread``: the extrapolation table over seeds, its arithmetic and its refusals."""
+"""``python -m ropekit_lab.spread``: the extrapolation table over seeds, its arithmetic and its refusals."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ropekit.cli import extrapolate as cli_extrapolate
-from ropekit.lab import extrapolate, spread
+from ropekit_lab import extrapolate, spread
+from ropekit_lab.verbs import extrapolate as cli_extrapolate
 
 MAX_CHARS = 120_000  # as in test_train: Genesis 1-~30, chapter 20 in the validation part
 
@@ -96,7 +96,7 @@ def test_command_line_errors_are_one_line_and_exit_2(three_runs, tmp_path, capsy
     for argv, words in cases.items():
         assert spread.main(list(argv)) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("ropekit.lab.spread: error: ") and words in err, err
+        assert err.count("\n") == 1 and err.startswith("ropekit_lab.spread: error: ") and words in err, err
     assert spread.main([str(tmp_path / "o3"), str(three_runs[0])]) == 2 and "usage" in capsys.readouterr().err
     assert spread.main(["--rows", "rope,yarn", str(tmp_path / "o3"), *map(str, three_runs)]) == 2
     assert "--rows: yarn not among the runs' rows rope, learned" in capsys.readouterr().err
@@ -109,7 +109,7 @@ def test_command_line_errors_are_one_line_and_exit_2(three_runs, tmp_path, capsy
 
 
 def test_real_runs_end_to_end(tmp_path, capsys):
-    """Two seeds of a tiny ``extrapolate``, then ``python -m ropekit.lab.spread`` in a fresh process."""
+    """Two seeds of a tiny ``extrapolate``, then ``python -m ropekit_lab.spread`` in a fresh process."""
     folders = []
     for seed in (0, 1):
         folders.append(tmp_path / f"seed{seed}")
@@ -118,7 +118,7 @@ def test_real_runs_end_to_end(tmp_path, capsys):
                      "--finetune-steps", "0", "--encodings", "rope,alibi,learned")
         assert extrapolate.run(args) == 0
     capsys.readouterr()
-    done = subprocess.run([sys.executable, "-m", "ropekit.lab.spread", "--rows", "rope,alibi", str(tmp_path / "table"),
+    done = subprocess.run([sys.executable, "-m", "ropekit_lab.spread", "--rows", "rope,alibi", str(tmp_path / "table"),
                            *map(str, folders)],
                           capture_output=True, text=True, timeout=120, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from fs_step_helpers import Killed, stop_after
-from ropekit.cli import extrapolate as cli_extrapolate
-from ropekit.cli import train as cli_train
-from ropekit.lab import charlm, extrapolate, train
-from ropekit.lab import options as lab_options
-from ropekit.lab.charlm import CharLM, CharLMConfig, load_corpus, load_model, save_model, split_verses
-from ropekit.lab.train import Sizes, evaluate, train_one, val_windows
+from ropekit_lab import charlm, extrapolate, train
+from ropekit_lab import options as lab_options
+from ropekit_lab.charlm import CharLM, CharLMConfig, load_corpus, load_model, save_model, split_verses
+from ropekit_lab.train import Sizes, evaluate, train_one, val_windows
+from ropekit_lab.verbs import extrapolate as cli_extrapolate
+from ropekit_lab.verbs import train as cli_train
 
 MAX_CHARS = 120_000  # Genesis 1-~30: enough for chapter 20 to land in the validation part
 TINY = Sizes(dim=32, layers=1, heads=2, context=16, batch=8, steps=30, lr=5e-3, eval_every=10, eval_tokens=512)

@@ -4,7 +4,8 @@ Layers, bottom to top (docs/architecture.md): rope (the maths: frequencies, scal
 layouts, shard positions) · ops (torch operators and their kernels) · functional (apply_rotary and
 friends) · fused (q/k RMSNorm + rotation, rotation into a KV cache) ·
 distributed (context parallelism) · config (RopeConfig, config.json) · checkpoints ·
-nn (modules) · integrations · lab · cli.
+nn (modules) · integrations · cli. The lab (experiments, report, bench, probe) is the separate
+ropekit-lab distribution in the repository's ``lab/``, on these public names only.
 
 The public names below are imported on first use (PEP 562 module ``__getattr__``), so that
 ``import ropekit`` alone does not import torch: the ``ropekit`` command line parses its

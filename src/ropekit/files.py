@@ -57,6 +57,27 @@ try:
 except ImportError:  # Windows: no flock, so leftovers are never provably stale and never removed
     fcntl = None
 
+__all__ = [
+    "MARKER",
+    "STAGING_PREFIX",
+    "SpecialFileError",
+    "check_not_special",
+    "clear_interrupt",
+    "current_umask",
+    "file_kind",
+    "fs_step",
+    "make_directory",
+    "note_interrupt",
+    "raise_if_interrupted",
+    "remove_stale_staging",
+    "replace_directory",
+    "replace_file",
+    "staging_directory",
+    "write_atomic",
+    "write_bytes_atomic",
+    "write_file",
+]
+
 STAGING_PREFIX = ".ropekit-staging-"
 #: file inside every staging directory: with the name and a free lock, the proof that it is a leftover
 MARKER = ".ropekit-staging"

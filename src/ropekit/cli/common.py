@@ -10,6 +10,9 @@ from typing import Any
 
 from .errors import UserError
 
+__all__ = ["MAX_POSITION", "MAX_ROTARY_DIM", "at_least", "config_arguments", "load_config", "number", "one_thread",
+           "positive", "print_json"]
+
 
 def load_config(path: str | None, preset: str | None, layer_type: str | None = None) -> tuple[Any, str]:
     """``(RopeConfig, label)`` from a ``config.json`` path or a preset name (default: the ``default`` preset)."""
@@ -109,29 +112,3 @@ def at_least(minimum: int, maximum: int | None = None):
 
     parse.__name__ = f"integer >= {minimum}"
     return parse
-
-
-#: Upper bounds of the lab's sizes: work and memory grow with them (attention with the context
-#: squared), so a typo fails at once instead of after gigabytes.
-MAX_STEPS, MAX_CONTEXT, MAX_THREADS = 10_000_000, 4096, 1024
-
-
-def lab_arguments(parser: argparse.ArgumentParser, quick: Any) -> None:
-    """Options shared by ``train`` and ``extrapolate``.
-
-    ``quick`` (a :class:`ropekit.lab.options.Sizes`) gives the ``--quick`` defaults in the help.
-    """
-    from ..lab.options import DEFAULT
-
-    parser.add_argument("--steps", type=at_least(1, MAX_STEPS), metavar="N",
-                        help=f"optimizer steps (default {DEFAULT.steps}; --quick {quick.steps})")
-    parser.add_argument("--context", type=at_least(2, MAX_CONTEXT), metavar="T", help="training context in characters "
-                        f"(default {DEFAULT.context}; --quick {quick.context})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and batches (default 0)")
-    parser.add_argument("--quick", action="store_true", help=f"width {quick.dim}, {quick.layers} layers, "
-                        f"{quick.steps} steps: a smoke test of the pipeline")
-    parser.add_argument("--threads", type=at_least(1, MAX_THREADS), metavar="N",
-                        help="CPU threads (default 1, whatever OMP_NUM_THREADS says: a second thread "
-                        "gains little on these small models and costs much when other jobs share the cores)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    parser.add_argument("--max-chars", type=at_least(1000), help=argparse.SUPPRESS)  # tests: a slice of the corpus

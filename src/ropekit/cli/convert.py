@@ -6,6 +6,10 @@ import argparse
 import sys
 from typing import Any
 
+from .requirements import declare_requirements
+
+#: What installs the module the verb reads and writes checkpoints with.
+CONVERT_INSTALL = "pip install 'ropekit[convert]'"
 #: The pairings ``--to``/``--from`` accept (``ropekit.validation.LAYOUTS``; spelled out here so that
 #: ``--help`` does not import torch).
 LAYOUTS = ("half", "interleaved")
@@ -39,6 +43,7 @@ def add_parser(verbs: Any) -> argparse.ArgumentParser:
     p.add_argument("--skip-layout-check", action="store_true",
                    help="convert even when SRC's q/k weights say it is already in the --to layout (the weights' "
                    "pairing test, a second witness besides the config, metadata and --from; see docs/probe.md)")
+    declare_requirements(p, ["safetensors"], CONVERT_INSTALL)
     p.set_defaults(func=run)
     return p
 

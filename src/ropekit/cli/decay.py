@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from typing import Any
 
 from .common import MAX_ROTARY_DIM, number, one_thread, positive, print_json
 from .errors import UserError
 from .outputs import declare_output_file
+from .requirements import declare_requirements
 
+#: What installs the module ``--png`` draws with.
+PLOT_INSTALL = "pip install 'ropekit[plot]'"
 #: The most ``(distances x pairs)`` terms one run sums: ``--max-distance`` 10,000,000 at ``--dim`` 256.
 MAX_TERMS = 10_000_001 * 128
 
@@ -25,6 +27,7 @@ def add_parser(verbs: Any) -> None:
     decay.add_argument("--png", metavar="PATH", help="also draw the curve into this PNG file")
     decay.add_argument("--json", action="store_true", help="machine-readable output: keys distance and bound")
     declare_output_file(decay, "png", "--png")
+    declare_requirements(decay, ["matplotlib"], PLOT_INSTALL, when="png")
     decay.set_defaults(func=run)
 
 
@@ -39,8 +42,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--dim {args.dim:,} with --max-distance {args.max_distance:,} sums "
                         f"{(args.max_distance + 1) * (args.dim // 2):,} terms; at most {MAX_TERMS:,} (e.g. "
                         f"--max-distance {MAX_TERMS // (args.dim // 2) - 1:,} at this --dim)")
-    if args.png and importlib.util.find_spec("matplotlib") is None:
-        raise UserError("--png needs matplotlib: pip install 'ropekit[report]'")
     torch = one_thread()
     from ..rope.analysis import decay_bound
     from ..rope.frequencies import base_inv_freq
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     bound = decay_bound(inv_freq, distance)
     if args.png:
         from ..files import write_bytes_atomic
-        from ..lab.figures import decay_curve_figure
+        from .decay_figure import decay_curve_figure
 
         write_bytes_atomic(args.png, decay_curve_figure(distance, bound, f"d={args.dim}, base {number(args.base)}"))
     if args.json:

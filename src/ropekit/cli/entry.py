@@ -1,11 +1,12 @@
 """The ``ropekit`` command line: ``ropekit <verb> [options]``.
 
-Verbs: ``inspect`` (a config's rotary frequencies, pair by pair), ``decay`` (RoFormer's long-term
-decay bound), ``report`` (an HTML page with figures and live checks), ``bench`` (speed table),
-``convert``, ``train``, ``extrapolate`` and ``probe`` (how a pretrained model uses its rotary
-pairs). Each verb is a module of :mod:`ropekit.cli`: its
-``add_parser`` builds the arguments without torch, its ``run`` does the work with the library or the
-lab. Arguments are parsed before torch is imported (``--help`` and ``--version`` never import it).
+The library's verbs: ``inspect`` (a config's rotary frequencies, pair by pair), ``decay`` (RoFormer's
+long-term decay bound) and ``convert`` (a checkpoint between the two layouts), each a module of
+:mod:`ropekit.cli`. Other distributions add verbs through the entry-point group ``ropekit.verbs``
+(:data:`VERB_GROUP`): the lab (``ropekit-lab``) adds ``report``, ``bench``, ``train``,
+``extrapolate`` and ``probe``; without it, naming one of those ends in one line saying how to install
+it (exit 2). A verb module's ``add_parser`` builds the arguments without torch, its ``run`` does the
+work. Arguments are parsed before torch is imported (``--help`` and ``--version`` never import it).
 
 How a run ends, whatever the verb (:func:`main` applies the rule, the verbs do not):
 
@@ -23,9 +24,11 @@ How a run ends, whatever the verb (:func:`main` applies the rule, the verbs do n
   ``RuntimeError``, a ``ValueError`` raised inside torch or by a builtin such as ``int("x")``, an
   ``OSError`` on one of ropekit's own files.
 
-Output folders and files a verb declares (``--out``, ``decay --png``) are checked before the verb
-runs (:mod:`ropekit.cli.outputs`); an output folder the run created is removed again when the
-run fails or is interrupted and the folder is still empty.
+The modules a verb declares it needs (:mod:`ropekit.cli.requirements`) are checked first: a missing
+one is one line naming it and the ``pip install`` to run, exit 2. Output folders and files a verb
+declares (``--out``, ``decay --png``) are checked next, before the verb runs
+(:mod:`ropekit.cli.outputs`); an output folder the run created is removed again when the run fails
+or is interrupted and the folder is still empty.
 """
 
 from __future__ import annotations
@@ -36,24 +39,55 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
 from .. import files
 from .errors import Parser, UserError, user_error_message
 from .outputs import prepared_outputs
+from .requirements import LAB_INSTALL, check_requirements
 
-#: The verbs, in the order ``ropekit --help`` lists them: each is the module ``ropekit.cli.<verb>``.
-VERBS = ("inspect", "decay", "report", "bench", "convert", "train", "extrapolate", "probe")
+#: The library's verbs, in the order ``ropekit --help`` lists them: each is the module ``ropekit.cli.<verb>``.
+VERBS = ("inspect", "decay", "convert")
+#: The entry-point group through which an installed distribution adds verbs: ``name = "package.module"``,
+#: a module with ``add_parser(verbs)`` and ``run(args)`` as the library's verb modules have.
+VERB_GROUP = "ropekit.verbs"
+#: The verbs the lab (``ropekit-lab``) adds, in the order ``ropekit --help`` lists them after the library's.
+LAB_VERBS = ("report", "bench", "train", "extrapolate", "probe")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with one sub-parser per verb (no verb module imports torch at import)."""
+def installed_verbs() -> dict[str, Any]:
+    """The verbs installed distributions add: ``{name: entry point}`` of the group :data:`VERB_GROUP`.
+
+    Reads installed metadata only (nothing is imported). A library verb's name is never taken over;
+    the lab's verbs come first, in :data:`LAB_VERBS` order, then any other by name.
+    """
+    from importlib.metadata import entry_points
+
+    found: dict[str, Any] = {}
+    for point in entry_points(group=VERB_GROUP):
+        if point.name not in VERBS and point.name not in found:
+            found[point.name] = point
+    order = [v for v in LAB_VERBS if v in found] + sorted(v for v in found if v not in LAB_VERBS)
+    return {name: found[name] for name in order}
+
+
+def build_parser(plugins: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    """The argument parser with one sub-parser per verb (no verb module imports torch at import).
+
+    ``plugins``: the verbs of other distributions (default :func:`installed_verbs`), each loaded here.
+    """
     from .. import __version__
 
-    parser = Parser(prog="ropekit", description="Rotary Position Embedding toolkit.")
+    plugins = installed_verbs() if plugins is None else plugins
+    missing_lab = [verb for verb in LAB_VERBS if verb not in plugins]
+    parser = Parser(prog="ropekit", description="Rotary Position Embedding toolkit.",
+                    epilog=f"The lab's verbs are not installed: {LAB_INSTALL}." if missing_lab else None)
     parser.add_argument("--version", action="version", version=f"ropekit {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="<verb>")
     for verb in VERBS:
         importlib.import_module(f"{__package__}.{verb}").add_parser(verbs)
+    for point in plugins.values():
+        point.load().add_parser(verbs)
     return parser
 
 
@@ -87,9 +121,15 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     """Parse, run the verb and turn how it ended into the exit code (the module docstring's rule)."""
     verb = _verb_in(argv)
+    plugins = installed_verbs()
+    if verb in LAB_VERBS and verb not in plugins:
+        print(f"ropekit {verb}: error: {verb} is a verb of the lab, which is not installed: {LAB_INSTALL}",
+              file=sys.stderr)
+        return 2
     args = None
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(plugins).parse_args(argv)
+        check_requirements(args)  # before any folder is created or any work begins
         with prepared_outputs(args):
             code = args.func(args)
             files.raise_if_interrupted()  # an interrupt dropped by Python on the way still ends the run

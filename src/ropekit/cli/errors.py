@@ -2,8 +2,9 @@
 
 The rule (``ropekit.cli.entry`` applies it to every verb; its docstring says it for users): a
 failure is the user's when it is a usage error, a :class:`UserError`, a ``ValueError``,
-``TypeError`` or ``OSError`` raised by a ``raise`` statement in ropekit's own code (deliberate
-validation, whose message names the argument, what was expected and what was given), or an
+``TypeError`` or ``OSError`` raised by a ``raise`` statement in ropekit's own code or in the package
+that provides the verb (the lab's ``ropekit_lab``: deliberate validation, whose message names the
+argument, what was expected and what was given), or an
 ``OSError`` about a path the user named, a file inside it or a folder on the way to it. Anything
 else, e.g. a ``ValueError`` raised by ``int("x")`` or inside torch, or a ``KeyError``, is a bug
 and keeps its traceback. Torch-free.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from typing import NoReturn
 
 
@@ -37,8 +39,16 @@ class Parser(argparse.ArgumentParser):
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ropekit package
 
 
-def _raised_by_ropekit(exc: BaseException) -> bool:
-    """Whether ``exc`` comes from a ``raise`` statement in ropekit's code (not a builtin, not torch)."""
+def _verb_package_dir(args: argparse.Namespace) -> str | None:
+    """The folder of the top-level package whose module runs the verb (``ropekit_lab`` for the lab's verbs)."""
+    top = str(getattr(getattr(args, "func", None), "__module__", None) or "").split(".")[0]
+    module = sys.modules.get(top)
+    path = getattr(module, "__file__", None)
+    return os.path.dirname(os.path.abspath(path)) if top and path else None
+
+
+def _raised_by_ropekit(exc: BaseException, args: argparse.Namespace | None = None) -> bool:
+    """Whether ``exc`` comes from a ``raise`` statement in ropekit's code or the verb's package (not a builtin)."""
     import dis
 
     tb = exc.__traceback__
@@ -47,7 +57,8 @@ def _raised_by_ropekit(exc: BaseException) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     code = tb.tb_frame.f_code
-    if not os.path.abspath(code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+    own = [_PACKAGE_DIR] + ([] if args is None else [d for d in [_verb_package_dir(args)] if d])
+    if not any(os.path.abspath(code.co_filename).startswith(folder + os.sep) for folder in own):
         return False
     return any(i.offset == tb.tb_lasti and i.opname == "RAISE_VARARGS" for i in dis.get_instructions(code))
 
@@ -66,7 +77,8 @@ def _names_user_path(exc: OSError, args: argparse.Namespace) -> bool:
 
 def user_error_message(exc: BaseException, args: argparse.Namespace) -> str | None:
     """The one-line message for a user-input error (rule in the module docstring); ``None`` for a bug."""
-    if isinstance(exc, UserError) or (isinstance(exc, (ValueError, TypeError, OSError)) and _raised_by_ropekit(exc)):
+    if isinstance(exc, UserError) or (isinstance(exc, (ValueError, TypeError, OSError))
+                                      and _raised_by_ropekit(exc, args)):
         return one_line(str(exc) or type(exc).__name__)
     if isinstance(exc, OSError) and _names_user_path(exc, args):
         where = " -> ".join(repr(os.fsdecode(n)) for n in (exc.filename, exc.filename2) if n is not None)

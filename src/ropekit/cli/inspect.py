@@ -1,4 +1,4 @@
-"""``ropekit inspect``: a config's rotary embedding, pair by pair (``ropekit.rope.analysis.describe``)."""
+"""``ropekit inspect``: a config's rotary embedding, pair by pair (its JSON: :mod:`ropekit.cli.inspect_json`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def add_parser(verbs: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print a config's rotary embedding: dimensions, rule, attention scale and a table per pair."""
     one_thread()
-    from ..rope.analysis import describe
+    from .inspect_json import describe
 
     config, label = load_config(args.config, args.preset, args.layer_type)
     info = describe(config, context=args.context, seq_len=args.seq_len, bound=not args.no_bound)

@@ -19,8 +19,7 @@ models of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (multi-axis M-RoPE). :func:`patch`:
   original function: the replacement falls through to it when no patched attention is running;
 * for the families with q/k norms (Qwen3, Qwen3-MoE, Gemma 3, OLMo 2, OLMo 3), defers the norms
   into the rotation (:mod:`.transformers_norms`): q and k are normalised and rotated in one pass
-  by :func:`ropekit.rms_norm_rotary_qk` (``fuse=False``, or a ``capture`` callback, keeps
-  transformers' norms);
+  by :func:`ropekit.rms_norm_rotary_qk` (``fuse=False`` keeps transformers' norms);
 * with a cache from :func:`static_cache`, rotates the new keys straight into the cache's slots
   (:mod:`.transformers_cache`).
 
@@ -38,7 +37,6 @@ import dataclasses
 import inspect
 import sys
 import types
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,10 +106,7 @@ def _dispatcher(original):
                 return _normalised(q, None, pending_q, None, cos, sin, call)[0], k
             return apply_rotary(q, cos, sin, layout=call.layout, backend=call.backend), k
         if pending_q is None and pending_k is None:
-            q_out, k_out = apply_rotary_qk(q, k, cos, sin, layout=call.layout, backend=call.backend)
-            if call.capture is not None:
-                call.capture(call.module, q, k, q_out, k_out)
-            return q_out, k_out
+            return apply_rotary_qk(q, k, cos, sin, layout=call.layout, backend=call.backend)
         if pending_q is not None and pending_k is not None:
             return _normalised(q, k, pending_q, pending_k, cos, sin, call)
         # only one of them deferred (not a case of the fused families): rotate the other alone
@@ -160,15 +155,14 @@ def _language_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _attention_forward(original, layout: str, backend: str, fuse: bool, rotating_layer, capture):
+def _attention_forward(original, layout: str, backend: str, fuse: bool, rotating_layer):
     def forward(self, *args, **kwargs):
         cache = kwargs.get("past_key_values")
         layers = getattr(cache, "layers", None)
         index = getattr(self, "layer_idx", None)
         layer = layers[index] if rotating_layer is not None and layers and index is not None and index < len(
             layers) else None
-        call = Call(layout, backend, fuse, layer if isinstance(layer, rotating_layer or ()) else None,
-                    module=self, capture=capture)
+        call = Call(layout, backend, fuse, layer if isinstance(layer, rotating_layer or ()) else None)
         norms.ACTIVE.append(call)
         try:
             result = original(*args, **kwargs)
@@ -270,7 +264,7 @@ def patchable_modules(model: torch.nn.Module) -> tuple[list[torch.nn.Module], li
 
 
 def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, layout: str | None = None,
-          backend: str = "auto", fuse: bool = True, capture: Callable | None = None) -> torch.nn.Module:
+          backend: str = "auto", fuse: bool = True) -> torch.nn.Module:
     """Compute ``model``'s RoPE with ropekit; returns ``model`` (patched in place).
 
     Args:
@@ -287,14 +281,9 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, layout: str
             default ``None``: ``rope``'s layout, or ``"half"`` for the model's own config.
         backend: ropekit backend for the rotation (``"auto"`` or a name from ``ropekit.ops.available()``).
         fuse: normalise q and k inside the rotation for the families with q/k norms (see the module
-            docstring), and rotate keys into the slots of a :func:`static_cache`.
-        capture: called as ``capture(module, q, k, q_rotated, k_rotated)`` each time an attention
-            module rotates: the module (``module.layer_idx`` says which layer), and q/k before and
-            after the rotation, ``(batch, heads, seq, head_dim)`` and ``(batch, kv_heads, seq,
-            head_dim)`` (before any grouped-query repeat; what the modeling code passes, e.g. after a
-            q/k norm). For measurements (``ropekit probe``); it must not change the tensors. With a
-            capture the q/k norms stay transformers' own and keys are not rotated into the cache, so
-            that the captured tensors are the modeling code's.
+            docstring), and rotate keys into the slots of a :func:`static_cache`. With ``fuse=False``
+            the modeling code's own q/k norms run and ``apply_rotary_pos_emb`` receives its q/k as
+            transformers computes them.
 
     Raises:
         ValueError: already patched, no rotary/attention module found, or ``rope`` that does not fit.
@@ -303,9 +292,6 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, layout: str
         raise ValueError("model is already patched by ropekit; call unpatch(model) first")
     if not isinstance(fuse, bool):
         raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
-    if capture is not None and not callable(capture):
-        raise TypeError(f"capture must be callable or None, got {type(capture).__name__}")
-    fuse = fuse and capture is None
     rotary, attention = patchable_modules(model)
     frequencies, rope = _frequencies(model, rope, rotary, layout)
     for m in rotary:
@@ -324,7 +310,7 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, layout: str
     modules = []
     for m in attention:
         into_cache = rotating_layer if type(m).__name__ in norms.KEY_INTO_CACHE_ATTENTION else None
-        m.forward = types.MethodType(_attention_forward(m.forward, rope.layout, backend, fuse, into_cache, capture), m)
+        m.forward = types.MethodType(_attention_forward(m.forward, rope.layout, backend, fuse, into_cache), m)
         mod = _modeling_module(m)
         if mod.__name__ not in modules:
             modules.append(mod.__name__)

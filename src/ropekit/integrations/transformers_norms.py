@@ -58,8 +58,6 @@ class Call:
     cache_layer: Any = None  # a ropekit cache layer the keys may be rotated into, or None
     pending: dict = field(default_factory=dict)  # "q"/"k" -> (deferred norm input, NormSpec)
     deferred_key: Any = None  # (returned key, k, spec or None, cos, sin) for the cache layer's update
-    module: Any = None  # the attention module running
-    capture: Any = None  # patch(capture=...): called with (module, q, k, q_rotated, k_rotated), or None
 
 
 ACTIVE: list[Call] = []  # the patched attention calls now running, innermost last

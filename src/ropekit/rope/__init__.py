@@ -7,8 +7,9 @@
 - :mod:`.shards`: the global positions each rank of a context-parallel group holds
   (contiguous, zigzag, striped; packed batches);
 - :mod:`.pairing`: which pairing a checkpoint was trained with, told from its q/k weights alone;
-- :mod:`.analysis`: wavelengths, the long-term decay bound (RoFormer eq. 37), the base a context
-  needs, and a config's description for ``ropekit inspect`` (:mod:`.analysis_axes` for multi-axis plans);
+- :mod:`.analysis`: wavelengths, the long-term decay bound (RoFormer eq. 37), the similarity margin
+  and the base a context needs (a config's whole description is the ``inspect`` verb's,
+  :mod:`ropekit.cli.inspect_json`);
 - :mod:`.axes`: multi-axis RoPE, :class:`~.axes.AxisPlan` (one axis and one frequency per pair) and
   its builders (M-RoPE, axial, pixel ladders); :mod:`.plans`: the plans of named models;
 - :mod:`.grids` and :mod:`.mrope_positions`: position vectors of patches, videos and Qwen-VL sequences.

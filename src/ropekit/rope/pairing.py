@@ -37,6 +37,17 @@ import torch
 
 from ..validation import check_layout, positive_int
 
+__all__ = [
+    "METHOD",
+    "LayoutEvidence",
+    "decide",
+    "detect_layout",
+    "frequency_index",
+    "head_log_row_norms",
+    "log_likelihood_ratio",
+    "residual_sum_of_squares",
+]
+
 METHOD = "rownorm-loglinear/1"
 Z_MIN, VOTES_MIN, MIN_HEADS = 3.0, 0.75, 8
 

@@ -1,0 +1,37 @@
+"""``ropekit bench``: every backend and installed peer against a plain copy (:mod:`ropekit_lab.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ropekit.cli import positive, print_json
+
+from .common import MAX_THREADS
+
+
+def add_parser(verbs: Any) -> None:
+    """Register the ``bench`` verb on the ``ropekit`` subparsers."""
+    bench = verbs.add_parser("bench", help="speed of every backend against a plain copy")
+    bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    bench.add_argument("--device", choices=("cpu", "cuda"), help="default: CUDA when available")
+    bench.add_argument("--threads", type=positive(int, MAX_THREADS), metavar="N",
+                       help="CPU threads (default: torch's default)")
+    bench.add_argument("--json", action="store_true", help="machine-readable output")
+    bench.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Time every backend against a plain copy of the same bytes (see :mod:`ropekit_lab.bench`)."""
+    import torch
+
+    from .. import bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = bench.run(quick=args.quick, device=args.device)
+    if args.json:
+        print_json(rows)
+    else:
+        print(bench.format_table(rows))
+    return 0
