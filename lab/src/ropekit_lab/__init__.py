@@ -3,7 +3,7 @@
 - the character LM on the KJV corpus and its experiments: :mod:`.charlm`, :mod:`.train`,
   :mod:`.extrapolate` (sizes in :mod:`.options`), :mod:`.spread` (the extrapolation table over seeds);
 - the HTML report and its parts: :mod:`.report`, :mod:`.report_html`, :mod:`.report_speed`,
-  :mod:`.report_multiaxis`, :mod:`.figures`, :mod:`.checks` (the seeds' claims checked live),
+  :mod:`.report_multiaxis`, :mod:`.figures`, :mod:`.checks` (RoPE's properties checked live),
   :mod:`.precision`, :mod:`.experiments`;
 - the speed table: :mod:`.bench`, :mod:`.bench_rows`;
 - the probe of pretrained models: :mod:`.probe` and its parts (``probe_*``), :mod:`.capture` (q/k

@@ -1,4 +1,4 @@
-"""Live checks of the properties the seed documents prove, each returning its measured error.
+"""Live checks of what RoPE's derivation proves (RoFormer, Su's blog posts), each with its measured error.
 
 These are run by ``ropekit report`` on the user's own machine so that every claim
 is shown with a number, not asserted. Each check returns a :class:`Check`.
@@ -34,7 +34,7 @@ class Check:
 
 
 def worked_example() -> Check:
-    """Seed 002: q = [1, 0, 0, 1], d = 4, base 10000, position 2, both layouts."""
+    """The worked example of Su's derivation: q = [1, 0, 0, 1], d = 4, base 10000, position 2, both layouts."""
     inv_freq, _ = inv_frequencies(4, 10000.0)
     cos, sin = cos_sin(torch.tensor([2]), inv_freq)
     q = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
@@ -46,17 +46,17 @@ def worked_example() -> Check:
     for layout, values in expected.items():
         got = apply_rotary(q, cos, sin, layout=layout)[0].double()
         error = max(error, float((got - torch.tensor(values, dtype=torch.float64)).abs().max()))
-    return Check("worked_example", "RoPE([1,0,0,1], pos 2) matches the seed's hand computation", error, 1e-6)
+    return Check("worked_example", "RoPE([1,0,0,1], pos 2) matches the worked example computed by hand", error, 1e-6)
 
 
 def two_d_score() -> Check:
-    """Seed 002: q = [1, 2], k = [3, 4], theta = 1, m = 1, n = 2 gives score 7.62626733416533."""
+    """The 2-D worked example: q = [1, 2], k = [3, 4], theta = 1, m = 1, n = 2 gives score 7.62626733416533."""
     theta = torch.tensor([1.0], dtype=torch.float64)
     q = torch.tensor([1.0, 2.0], dtype=torch.float64)
     k = torch.tensor([3.0, 4.0], dtype=torch.float64)
     score = (rotation_matrix(1, theta) @ q) @ (rotation_matrix(2, theta) @ k)
     error = abs(float(score) - 7.62626733416533)
-    return Check("two_d_score", "<R_1 q, R_2 k> = 7.62626733416533 (seed 002)", error, 1e-12)
+    return Check("two_d_score", "<R_1 q, R_2 k> = 7.62626733416533 (computed by hand)", error, 1e-12)
 
 
 def relative_property(head_dim: int = 128, base: float = 10000.0, position: int = 1_000_000, seed: int = 0) -> Check:

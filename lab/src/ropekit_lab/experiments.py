@@ -1,4 +1,4 @@
-"""Small numerical experiments shown by ``ropekit report``: attention vs distance, seed 002's four terms, scaling rules.
+"""Numerical experiments shown by ``ropekit report``: attention vs distance, additive terms, scaling rules.
 
 All in float64 on the CPU, seeded, and sized by the caller (``--quick`` uses small sizes).
 """
@@ -55,7 +55,7 @@ def attention_vs_distance(
 
 
 def sinusoidal_terms(dim: int = 64, *, positions: int = 512, distance: int = 8, base: float = 10000.0, seed: int = 0):
-    r"""Seed 002: the four terms of ``(x_m + p_m)^T W_q^T W_k (x_n + p_n)`` versus RoPE's single term.
+    r"""Su's derivation: the four terms of ``(x_m + p_m)^T W_q^T W_k (x_n + p_n)`` versus RoPE's single term.
 
     The same two content vectors ``x_m, x_n`` are placed at absolute positions ``m = 0..positions-1``
     and ``n = m + distance``; ``p`` is the sinusoidal table ``p_{k,2i} = sin(k theta_i)``,

@@ -121,7 +121,7 @@ def _circle(radius: float):
 
 @styled
 def decay_figure(curves: Sequence[tuple[str, torch.Tensor, torch.Tensor]], context: int | None = None) -> list[bytes]:
-    """RoFormer's decay bound (seed 001, Figure 2) against relative distance: two panels.
+    """RoFormer's decay bound (Su et al. 2021, Figure 2) against relative distance: two panels.
 
     Args:
         curves: ``(label, distance (R,), bound (R,))`` per curve; the first panel shows
@@ -142,7 +142,7 @@ def decay_figure(curves: Sequence[tuple[str, torch.Tensor, torch.Tensor]], conte
                 ax.axvline(context, color="#57606a", ls="--", lw=1)
                 ax.text(context, ax.get_ylim()[1], " context", va="top", fontsize=8)
         else:
-            ax.set_title("distance 0..256, as in seed 001 Fig. 2")
+            ax.set_title("distance 0..256, as in RoFormer's Figure 2")
         ax.set_xlabel("relative distance r = n - m")
         ax.set_ylabel(r"$\frac{1}{d/2}\sum_j |S_j|$")
         ax.legend()
@@ -244,7 +244,7 @@ def attention_figure(
 def sinusoidal_figure(
     positions: torch.Tensor, terms: dict[str, torch.Tensor], rope: torch.Tensor, distance: int
 ) -> bytes:
-    """Seed 002: the four terms of ``(x_m+p_m)^T W (x_n+p_n)`` and RoPE's single term against absolute position."""
+    """The four terms of ``(x_m+p_m)^T W (x_n+p_n)`` and RoPE's single term against absolute position."""
     fig, ax = new_figure(WIDTH, 4.0)
     x = positions.tolist()
     for k, (name, values) in enumerate(terms.items()):

@@ -146,7 +146,7 @@ class _Report:
             curves.append(("configured frequencies", distance, decay_bound(self.inv_freq, distance)))
         d2 = self.config.rotary_dim // 2
         caption = (
-            "RoFormer's long-term decay bound (seed 001, eq. 37 and Figure 2): |&sum;<sub>i</sub> h<sub>i</sub> "
+            "RoFormer's long-term decay bound (Su et al. 2021, eq. 37 and Figure 2): |&sum;<sub>i</sub> h<sub>i</sub> "
             "e<sup>i r &theta;<sub>i</sub></sup>| &le; (max<sub>i</sub>|h<sub>i+1</sub>&minus;h<sub>i</sub>|) "
             "&sum;<sub>j</sub>|S<sub>j</sub>|, S<sub>j</sub> = &sum;<sub>i&lt;j</sub> e<sup>i r &theta;<sub>i</sub>"
             f"</sup>; plotted: (1/(d/2)) &sum;<sub>j</sub>|S<sub>j</sub>|. At r = 0 it equals (d/2+1)/2 = "
@@ -223,7 +223,8 @@ class _Report:
         distance = 8
         m, terms, rope = sinusoidal_terms(64, positions=self.size["sinusoidal"], distance=distance)
         caption = (
-            "Seed 002: with an additive sinusoidal encoding the score (x<sub>m</sub>+p<sub>m</sub>)<sup>T</sup>W"
+            "Why RoPE (Su's derivation): with an additive sinusoidal encoding the score "
+            "(x<sub>m</sub>+p<sub>m</sub>)<sup>T</sup>W"
             "(x<sub>n</sub>+p<sub>n</sub>) splits into four terms. The same two tokens (random x, random W, d = 64) "
             f"are moved along the sequence at a fixed distance n &minus; m = {distance}: the cross terms and the "
             "total change with the absolute position, RoPE's single term (black) does not.")
@@ -303,7 +304,7 @@ class _Report:
                          intro="The configuration this page studies, one setting per row."))
         footer = (f"ropekit report{' --quick' if self.quick else ''}; {esc(platform.platform())}, torch "
                   f"{esc(torch.__version__)}, {seconds:.1f} s. Sources: Su et al., RoFormer, arXiv:2104.09864 "
-                  f"(seeds 000-002); {MEN}.")
+                  f"and Su's blog derivation of RoPE; {MEN}.")
         return page(f"ropekit report \u2014 {self.label}", intro, self.sections, footer)
 
 
