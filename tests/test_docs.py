@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 #: pages whose blocks need a process group, and its size
-RANKS = {"README.md": 2, "docs/distributed.md": 2}
+RANKS = {"docs/guide.md": 2, "docs/distributed.md": 2}
 HARNESS = Path(__file__).resolve().parent / "docs_harness.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
@@ -181,22 +181,25 @@ def python_blocks(text: str) -> list[str]:
     return blocks
 
 
-def test_readme_api_example_runs():
-    text = README.read_text(encoding="utf-8")
+GUIDE = ROOT / "docs" / "guide.md"
+
+
+def test_guide_api_example_runs():
+    text = GUIDE.read_text(encoding="utf-8")
     api = text[text.index("## API"):]
     code = python_blocks(api)[0]
     namespace: dict = {}
-    exec(compile(code, "README.md (API)", "exec"), namespace)  # noqa: S102 - our own documentation
+    exec(compile(code, "docs/guide.md (API)", "exec"), namespace)  # noqa: S102 - our own documentation
     q_rot, k_rot = namespace["q_rot"], namespace["k_rot"]
     assert q_rot.shape == (300, 32, 128) and k_rot.shape == (300, 8, 128)
     assert torch.isfinite(q_rot).all() and not torch.equal(q_rot, namespace["packed_q"])
 
 
-def test_readme_fused_example_runs_and_writes_the_slots():
-    text = README.read_text(encoding="utf-8")
+def test_guide_fused_example_runs_and_writes_the_slots():
+    text = GUIDE.read_text(encoding="utf-8")
     code = python_blocks(text[text.index("## Fused"):])[0]
     namespace: dict = {}
-    exec(compile(code, "README.md (Fused)", "exec"), namespace)  # noqa: S102 - our own documentation
+    exec(compile(code, "docs/guide.md (Fused)", "exec"), namespace)  # noqa: S102 - our own documentation
     k_cache, lengths, k_new = namespace["k_cache"], namespace["lengths"], namespace["k_new"]
     for row, length in enumerate(lengths.tolist()):
         assert k_cache[row, :, length].abs().sum() > 0 and not k_cache[row, :, length + 1:].any()
@@ -210,11 +213,11 @@ def test_ci_runs_the_readme_test_command():
     assert "ROPEKIT_REQUIRE_NATIVE=1" in command, "the tests must fail where the C++ kernel does not build"
 
 
-def test_readme_multiaxis_example_runs():
-    text = README.read_text(encoding="utf-8")
+def test_guide_multiaxis_example_runs():
+    text = GUIDE.read_text(encoding="utf-8")
     code = python_blocks(text[text.index("## Multi-axis RoPE"):])[0]
     namespace: dict = {}
-    exec(compile(code, "README.md (multi-axis)", "exec"), namespace)  # noqa: S102 - our own documentation
+    exec(compile(code, "docs/guide.md (multi-axis)", "exec"), namespace)  # noqa: S102 - our own documentation
     assert namespace["q_rot"].shape == (2, 12, 257, 64)
     assert namespace["positions"][0, :, 0].tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3, 6, 7]
     assert namespace["q"].shape == (1, 28, 11, 128) and namespace["k"].shape == (1, 4, 11, 128)
