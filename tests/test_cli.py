@@ -187,3 +187,14 @@ def test_usage_errors_are_one_line_and_exit_2(argv, capsys):
     lines = capsys.readouterr().err.splitlines()
     assert info.value.code == 2 and len(lines) == 1 and lines[0].startswith("ropekit")
     assert ": error: " in lines[0] and lines[0].endswith(" --help)"), lines
+
+
+def test_every_verb_says_what_it_does_in_its_help():
+    """``ropekit VERB --help`` opens with a description of the verb, not only its options."""
+    from ropekit.cli.entry import build_parser
+
+    parser = build_parser()
+    verbs = next(action for action in parser._actions if action.dest == "verb").choices
+    assert {"inspect", "decay", "convert", "report", "bench", "train", "extrapolate", "probe"} <= set(verbs)
+    for name, sub in verbs.items():
+        assert sub.description and len(sub.description) > 40, name

@@ -5,6 +5,7 @@ attention and computes the pair norms and the attention-by-distance profile with
 real model (SmolLM2) is in tests/test_probe_smollm2.py.
 """
 
+import argparse
 import json
 
 import pytest
@@ -202,3 +203,37 @@ def test_ctrl_c_during_the_capture_is_one_line_exit_130_and_leaves_no_folder(tmp
     assert proc.returncode == 130, err
     assert err.splitlines()[-1] == "ropekit probe: interrupted" and "Traceback" not in err
     assert stdout == b"" and not (tmp_path / "new").exists()
+
+
+def test_a_missing_path_fails_before_torch_loads(tmp_path):
+    """``probe --model nosuchdir`` is refused in one line before torch and transformers are imported."""
+    import subprocess
+    import sys
+
+    runner = ("import sys\nfrom ropekit.cli.entry import main\ncode = main(sys.argv[1:])\n"
+              "sys.exit(99 if 'torch' in sys.modules else code)")
+    for option in ("--model", "--gguf", "--text"):
+        argv = ["probe", option, str(tmp_path / "nosuch"), "--out", str(tmp_path / "out")]
+        if option == "--text":
+            argv[1:1] = ["--model", str(tmp_path)]
+        done = subprocess.run([sys.executable, "-c", runner, *argv], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, (option, done.returncode, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1 and "nosuch" in done.stderr, done.stderr
+        assert not (tmp_path / "out").exists()
+
+
+def test_no_progress_silences_transformers_bars_for_the_run(monkeypatch, tmp_path):
+    from transformers.utils import logging as transformers_logging
+
+    from ropekit_lab import probe as probe_module
+    from ropekit_lab.verbs import probe as probe_verb
+
+    seen = []
+    monkeypatch.setattr(probe_module, "run", lambda args: seen.append(transformers_logging.is_progress_bar_enabled())
+                        or 0)
+    transformers_logging.enable_progress_bar()
+    args = argparse.Namespace(model=str(tmp_path), gguf=None, text=None, no_progress=True)
+    assert probe_verb.run(args) == 0 and seen == [False]
+    assert transformers_logging.is_progress_bar_enabled()  # restored after the run
+    args.no_progress = False
+    assert probe_verb.run(args) == 0 and seen == [False, True]

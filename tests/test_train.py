@@ -376,3 +376,21 @@ def test_quick_means_the_small_sizes(tmp_path, monkeypatch):
     assert (seen[2].steps, seen[2].context, seen[2].dim) == (9, 12, lab_options.QUICK_EXTRAPOLATE.dim)
     quick, full = lab_options.QUICK_EXTRAPOLATE, lab_options.QUICK
     assert quick.steps * quick.context < full.steps * full.context
+
+
+def test_the_loss_legend_names_the_training_curves_too(monkeypatch):
+    """Each run's dashed training-loss line has its own legend entry beside the validation line."""
+    from matplotlib.axes import Axes
+
+    labels = []
+    original = Axes.legend
+
+    def legend(self, *args, **kwargs):
+        labels.extend(self.get_legend_handles_labels()[1])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "legend", legend)
+    runs = [{"encoding": "rope", "attention": "softmax", "steps": [0, 10], "val_loss": [3.0, 2.0],
+             "train_loss": [3.1, 2.1]}]
+    assert train.loss_curves_png(runs, "t")[:4] == b"\x89PNG"
+    assert labels == ["rope/softmax val", "rope/softmax train"]

@@ -170,7 +170,7 @@ def loss_curves_png(runs: list[dict], title: str) -> bytes:
         axes.plot(run["steps"], run["val_loss"], color=color, label=f"{label} val")
         train = [(s, v) for s, v in zip(run["steps"], run["train_loss"], strict=True) if v is not None]
         if train:
-            axes.plot(*zip(*train, strict=True), color=color, linestyle="--", alpha=0.6)
+            axes.plot(*zip(*train, strict=True), color=color, linestyle="--", alpha=0.6, label=f"{label} train")
     axes.set_xlabel("step")
     axes.set_ylabel("loss (nats / character)")
     axes.set_title(title, fontsize=10)

@@ -12,7 +12,12 @@ from .common import MAX_THREADS
 
 def add_parser(verbs: Any) -> None:
     """Register the ``bench`` verb on the ``ropekit`` subparsers."""
-    bench = verbs.add_parser("bench", help="speed of every backend against a plain copy")
+    bench = verbs.add_parser(
+        "bench", help="speed of every backend against a plain copy",
+        description="Time every rotation backend (C++ on the CPU, Triton on CUDA, eager torch) and each installed "
+        "peer (transformers' eager recipe, torch.compile of it, Liger on a GPU) on q/k shapes of real models, "
+        "forward and forward + backward, against a plain copy of the same bytes; print each row's median time, "
+        "its spread, GB/s and the ratio to the copy.")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     bench.add_argument("--device", choices=("cpu", "cuda"), help="default: CUDA when available")
     bench.add_argument("--threads", type=positive(int, MAX_THREADS), metavar="N",

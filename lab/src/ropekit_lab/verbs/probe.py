@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
-from ropekit.cli import add_out_argument, at_least
+from ropekit.cli import UserError, add_out_argument, at_least
 
 from .common import FIGURES, MAX_THREADS, needs
 
@@ -52,8 +53,26 @@ def add_parser(verbs: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def check_paths(args: argparse.Namespace) -> None:
+    """Refuse a missing ``--model`` / ``--gguf`` / ``--text`` at once, before torch and transformers load (seconds)."""
+    for option, path, kind in (("--model", args.model, "directory"), ("--gguf", args.gguf, "file"),
+                               ("--text", args.text, "file")):
+        if path is not None and not os.path.exists(path):
+            raise UserError(f"{option} {path!r}: no such {kind}")
+
+
 def run(args: argparse.Namespace) -> int:
     """Probe (imports torch, transformers and the lab only now)."""
+    check_paths(args)
+    from transformers.utils import logging as transformers_logging
+
     from ..probe import run as probe
 
-    return probe(args)
+    bars = transformers_logging.is_progress_bar_enabled()
+    if args.no_progress:  # transformers' own bars (loading the weights) too, not only the probe's
+        transformers_logging.disable_progress_bar()
+    try:
+        return probe(args)
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
