@@ -35,8 +35,9 @@ def test_the_lab_registers_the_verbs_the_command_line_knows_as_its_own():
     assert not set(points) & set(entry.VERBS)  # a library verb is never the lab's
 
 
-def test_the_library_needs_only_torch_and_ninja_and_the_lab_brings_the_rest():
-    assert [re.split(r"[<>=;\s]", d)[0] for d in dependencies(LIBRARY)] == ["torch", "ninja"]
+def test_the_library_needs_only_torch_ninja_and_numpy_and_the_lab_brings_the_rest():
+    # numpy: torch warns on every import without it
+    assert [re.split(r"[<>=;\s]", d)[0] for d in dependencies(LIBRARY)] == ["torch", "ninja", "numpy"]
     lab = {re.split(r"[<>=;\s]", d)[0] for d in dependencies(LAB)}
     assert {"ropekit", "matplotlib", "transformers", "safetensors", "gguf", "accelerate"} <= lab
     assert re.search(r'^where = \["src"\]$', LIBRARY, re.M)  # the library's wheel: src/ only, never lab/
