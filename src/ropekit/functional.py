@@ -22,7 +22,7 @@ from .ops.dispatch import check_runs, resolve
 from .ops.dispatch import get as get_backend
 from .ops.eager import apply_rotary_differentiable
 from .ops.memory import check_not_shared
-from .ops.positions import check_shapes
+from .ops.positions import check_shapes, qk_axes
 from .validation import check_float_tensor, check_inplace, check_layout, check_tables, resolve_seq_dim
 
 
@@ -305,10 +305,20 @@ def rotate_qk(
                                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seq_dim=seq_dim, layout=layout,
                                  inplace=inplace, backend=backend)
         return (q, k) if inplace else (q_out.flatten(-2), k_out.flatten(-2))
+    key = None
+    if positions is None and cu_seqlens is None and max_seqlen is None:  # one int offset: a decode step's form
+        key, run = prepared_keys.rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layout,
+                                           inplace, backend)
+        if run is not None:
+            return run(q, k, cos_table, sin_table, offsets)
     seq_dim = resolve_seq_dim(getattr(q, "ndim", 0), tensor_format, seq_dim)
     where = check_shapes(q, k, cos_table, sin_table, positions, offsets, cu_seqlens, max_seqlen, seq_dim, layout)
     _by_position_checks(q, k, cos_table, sin_table, inplace,
                         {"positions": positions, "offsets": offsets, "cu_seqlens": cu_seqlens})
     name = resolve(backend, q.device.type)
     check_runs(backend, name, {"q": q, "k": k})
+    if key is not None and operators.direct(q, k, cos_table, sin_table):
+        prepared.keep(key, get_backend(name).prepared_by_offset((q, k, cos_table, sin_table), seq_dim=seq_dim,
+                                                                layout=layout, inplace=inplace),
+                      (q, k, cos_table, sin_table), cos_table.shape[0], q.shape[qk_axes(q.dim(), seq_dim)[1]])
     return operators.rotate_qk(q, k, cos_table, sin_table, where, layout=layout, backend=name, inplace=inplace)

@@ -54,16 +54,18 @@ def extent(t: Tensor | None) -> int:
     return (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
 
-def keep(key: tuple | None, call: Callable, tensors: tuple) -> None:
+def keep(key: tuple | None, call: Callable, tensors: tuple, *limits) -> None:
     """Keep ``call`` for ``key``, a signature whose call has just passed every check.
 
-    ``tensors`` are the signature's tensors in the order its entry point unpacks their extents.
+    ``tensors`` are the signature's tensors in the order its entry point unpacks their extents;
+    ``limits`` are what its entry point checks the call's values against on every call (the
+    by-offset forms: the rows of the tables, the tokens of q).
     """
     if key is None:
         return
     if len(calls) >= PREPARED_MAX:
         calls.clear()
-    calls[key] = (call, *map(extent, tensors))
+    calls[key] = (call, *map(extent, tensors), *limits)
 
 
 def apart(written: tuple, others: tuple) -> bool:

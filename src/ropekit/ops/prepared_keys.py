@@ -184,3 +184,83 @@ def rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight,
             and not apart((k_cache, v_cache), (k, v, cos, sin, slots, k_weight)):
         return _COLD
     return key, call
+
+
+def rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layout, inplace, backend) -> tuple:
+    """``(key, call)`` of ``rotate_qk`` by one int offset; the call takes ``(q, k, cos_table, sin_table, offsets)``.
+
+    Only a call without ``positions``, ``cu_seqlens``, ``max_seqlen`` and ``head_size`` (the caller
+    asks only then) and with an int ``offsets`` has a signature. The offset's value is checked on
+    every call against the rows of the tables and the tokens of q kept with the call (both fixed
+    by the signature): a value outside them has no signature, and the checks raise.
+    """
+    if (type(offsets) is not int or _is_compiling() or type(q) is not Tensor or type(k) is not Tensor
+            or type(cos_table) is not Tensor or type(sin_table) is not Tensor or q is k or q is cos_table
+            or q is sin_table or k is cos_table or k is sin_table or cos_table is sin_table
+            or (_grad_enabled() and (q.requires_grad or k.requires_grad or cos_table.requires_grad
+                                     or sin_table.requires_grad))):
+        return _COLD
+    try:
+        key = ("rotate_qk", layout, type(layout), inplace, type(inplace), backend, type(backend), tensor_format,
+               type(tensor_format), seq_dim, type(seq_dim),
+               q.shape, q.stride(), q.dtype, q.is_cpu or q.device, k.shape, k.stride(), k.dtype, k.is_cpu or k.device,
+               cos_table.shape, cos_table.stride(), cos_table.dtype, cos_table.is_cpu or cos_table.device,
+               sin_table.shape, sin_table.stride(), sin_table.dtype, sin_table.is_cpu or sin_table.device)
+        entry = calls.get(key)
+    except (RuntimeError, TypeError):
+        return _COLD
+    if entry is None:
+        return key, None
+    call, eq, ek, ec, es, rows, tokens = entry
+    if not 0 <= offsets <= rows - tokens:
+        return _COLD
+    if inplace is True:
+        pq, pk, pc, ps = q.data_ptr(), k.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr()
+        if not ((pq + eq <= pk or pk + ek <= pq) and (pq + eq <= pc or pc + ec <= pq)
+                and (pq + eq <= ps or ps + es <= pq) and (pk + ek <= pc or pc + ec <= pk)
+                and (pk + ek <= ps or ps + es <= pk)) and not apart((q, k), (cos_table, sin_table)):
+            return _COLD
+    return key, call
+
+
+_COLD_MODULE = (None, None, None, None)
+
+
+def rotary_embedding(tables, version, layout, backend, head_dim, max_cached, q, k, offset, tensor_format, seq_dim,
+                     inplace) -> tuple:
+    """``(key, call, cos_table, sin_table)`` of ``RotaryEmbedding.forward(q, k, offset=offset)`` (int offset).
+
+    The module passes its own state: its cached ``tables`` (device -> (cos, sin)) and their
+    ``version`` (a number never reused, new whenever the tables change), its ``layout``,
+    ``backend``, ``head_dim`` and ``max_cached`` positions; the signature holds those besides q's
+    and k's shapes, strides, dtypes and devices and the call's options. The call found is the
+    prepared call of ``rotate_qk`` that the module's cold call reached (the module's tables, its
+    rows, the tokens of q and the device are kept with it): ``call(q, k, cos_table, sin_table,
+    offset)``. The offset is checked on every call against the rows the module would serve from
+    its cached tables; a value outside them (tables to grow, rows past ``max_cached``, a negative
+    offset) has no signature.
+    """
+    if (type(offset) is not int or _is_compiling() or type(q) is not Tensor or type(k) is not Tensor or q is k
+            or (_grad_enabled() and (q.requires_grad or k.requires_grad))):
+        return _COLD_MODULE
+    try:
+        key = ("RotaryEmbedding", version, layout, type(layout), backend, type(backend), head_dim, max_cached, inplace,
+               type(inplace), tensor_format, type(tensor_format), seq_dim, type(seq_dim),
+               q.shape, q.stride(), q.dtype, q.is_cpu or q.device, k.shape, k.stride(), k.dtype, k.is_cpu or k.device)
+        entry = calls.get(key)
+    except (RuntimeError, TypeError):
+        return _COLD_MODULE
+    if entry is None:
+        return key, None, None, None
+    call, eq, ek, ec, es, rows, tokens, device = entry
+    cached = tables.get(device)
+    if cached is None or not 0 <= offset <= rows - tokens:
+        return _COLD_MODULE
+    cos, sin = cached
+    if inplace is True:
+        pq, pk, pc, ps = q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        if not ((pq + eq <= pk or pk + ek <= pq) and (pq + eq <= pc or pc + ec <= pq)
+                and (pq + eq <= ps or ps + es <= pq) and (pk + ek <= pc or pc + ec <= pk)
+                and (pk + ek <= ps or ps + es <= pk)) and not apart((q, k), (cos, sin)):
+            return _COLD_MODULE
+    return key, call, cos, sin
