@@ -128,6 +128,38 @@ def rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, eps, norm, layout, we
     return key, call
 
 
+def rms_norm_rotary(x, weight, cos, sin, eps, norm, layout, weight_offset, inplace, backend) -> tuple:
+    """``(key, call)`` of ``rms_norm_rotary``; the call takes ``(x, weight, cos, sin)``."""
+    no_w = weight is None
+    if (_is_compiling() or type(x) is not Tensor or type(cos) is not Tensor or type(sin) is not Tensor
+            or type(weight) not in _WEIGHTS or x is cos or x is sin or cos is sin
+            or weight is x or weight is cos or weight is sin
+            or (_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad
+                                     or (not no_w and weight.requires_grad)))):
+        return _COLD
+    try:
+        key = ("rms_norm_rotary", eps, type(eps), norm, type(norm), layout, type(layout), weight_offset,
+               type(weight_offset), inplace, type(inplace), backend, type(backend),
+               x.shape, x.stride(), x.dtype, x.is_cpu or x.device,
+               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device,
+               type(weight), None if no_w else weight.shape, None if no_w else weight.stride(),
+               None if no_w else weight.dtype, None if no_w else weight.is_cpu or weight.device)
+        entry = calls.get(key)
+    except (RuntimeError, TypeError):
+        return _COLD
+    if entry is None:
+        return key, None
+    call, ex, ec, es, ew = entry
+    if inplace is True:
+        px, pc, ps = x.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        pw = 0 if no_w else weight.data_ptr()
+        if not ((px + ex <= pc or pc + ec <= px) and (px + ex <= ps or ps + es <= px)
+                and (px + ex <= pw or pw + ew <= px)) and not apart((x,), (cos, sin, weight)):
+            return _COLD
+    return key, call
+
+
 def rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight, eps, norm, weight_offset,
                       block_size, backend) -> tuple:
     """``(key, call)`` of ``rotate_into_cache``; the call takes the backend's cache-write arguments.
