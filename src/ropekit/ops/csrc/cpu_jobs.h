@@ -345,7 +345,11 @@ std::atomic<int64_t> populate_min_bytes{int64_t(4) << 20};
 std::atomic<int64_t> populated_bytes_total{0};  // bytes populated so far (a test hook reads it)
 
 Tensor fresh_output(const Tensor &like) {
-    Tensor out = at::empty_like(like);
+    // a dense x: its strides, allocated directly (what empty_like gives it, without the dispatcher, which
+    // costs more than the rest of a small decode step's allocation); any other x: empty_like's dense strides
+    Tensor out = like.is_non_overlapping_and_dense()
+                     ? Tensor(at::detail::empty_strided_cpu(like.sizes(), like.strides(), like.scalar_type()))
+                     : at::empty_like(like);
 #ifdef __linux__
     const int64_t bytes = out.numel() * static_cast<int64_t>(out.element_size());
     if (bytes < populate_min_bytes.load() || !out.is_contiguous()) return out;

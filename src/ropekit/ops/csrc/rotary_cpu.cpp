@@ -30,6 +30,7 @@
 #include <torch/csrc/utils/pybind.h>  // first: it includes Python.h
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
