@@ -61,10 +61,10 @@ def apply_rotary_qk(
     Returns:
         ``(q_rotated, k_rotated)`` with the shapes and dtypes of q and k.
     """
-    layout = check_layout(layout)
-    key, run = prepared_keys.apply_rotary_qk(q, k, cos, sin, layout, inplace, backend)
+    key, run = prepared_keys.apply_rotary_qk(q, k, cos, sin, layout, inplace, backend)  # the layout as given
     if run is not None:
         return run(q, k, cos, sin)
+    layout = check_layout(layout)
     check_float_tensor(q, "q")
     check_float_tensor(k, "k")
     _check_options(layout, inplace)
@@ -134,10 +134,10 @@ def apply_rotary(
     activations). When ``cos``/``sin`` require grad (learned frequencies) a composite
     path is used that also differentiates the tables.
     """
-    layout = check_layout(layout)
-    key, run = prepared_keys.apply_rotary(x, cos, sin, layout, inplace, backend)
+    key, run = prepared_keys.apply_rotary(x, cos, sin, layout, inplace, backend)  # the layout as given
     if run is not None:
         return run(x, cos, sin)
+    layout = check_layout(layout)
     check_float_tensor(x, "x")
     _check_options(layout, inplace)
     if inplace:
@@ -295,6 +295,12 @@ def rotate_qk(
     Raises:
         ValueError: bad shapes, or positions outside the tables (checked before the kernel runs).
     """
+    key = None
+    if positions is None and cu_seqlens is None and max_seqlen is None and head_size is None:  # one int offset
+        key, run = prepared_keys.rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layout,
+                                           inplace, backend)  # the layout as given
+        if run is not None:
+            return run(q, k, cos_table, sin_table, offsets)
     layout = check_layout(layout)
     if head_size is not None:  # vLLM's flat (tokens, heads * head_size) q and k
         q_heads, k_heads = _unflatten_heads(q, head_size, "q"), _unflatten_heads(k, head_size, "k")
@@ -305,12 +311,6 @@ def rotate_qk(
                                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seq_dim=seq_dim, layout=layout,
                                  inplace=inplace, backend=backend)
         return (q, k) if inplace else (q_out.flatten(-2), k_out.flatten(-2))
-    key = None
-    if positions is None and cu_seqlens is None and max_seqlen is None:  # one int offset: a decode step's form
-        key, run = prepared_keys.rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layout,
-                                           inplace, backend)
-        if run is not None:
-            return run(q, k, cos_table, sin_table, offsets)
     seq_dim = resolve_seq_dim(getattr(q, "ndim", 0), tensor_format, seq_dim)
     where = check_shapes(q, k, cos_table, sin_table, positions, offsets, cu_seqlens, max_seqlen, seq_dim, layout)
     _by_position_checks(q, k, cos_table, sin_table, inplace,

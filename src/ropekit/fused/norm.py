@@ -127,11 +127,11 @@ def rms_norm_rotary_qk(
     Autograd: gradients reach q, k and the weights (not cos/sin); the backward recomputes the
     norm from q and k (nothing else of their size is saved).
     """
-    layout = check_layout(layout)
     key, run = prepared_keys.rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, eps, norm, layout, weight_offset,
-                                                inplace, backend)
+                                                inplace, backend)  # the layout as given
     if run is not None:
         return run(q, k, q_weight, k_weight, cos, sin)
+    layout = check_layout(layout)
     eps, weight_offset, per_token = _check_options(eps, weight_offset, norm, layout, inplace,
                                                    {"q_weight": q_weight, "k_weight": k_weight})
     _check_rows(q, "q", per_token)
@@ -181,10 +181,11 @@ def rms_norm_rotary(
 
     Arguments, result and precision as there, with ``x`` and ``weight`` for q and ``q_weight``.
     """
-    layout = check_layout(layout)
-    key, run = prepared_keys.rms_norm_rotary(x, weight, cos, sin, eps, norm, layout, weight_offset, inplace, backend)
+    key, run = prepared_keys.rms_norm_rotary(x, weight, cos, sin, eps, norm, layout, weight_offset, inplace,
+                                             backend)  # the layout as given
     if run is not None:
         return run(x, weight, cos, sin)
+    layout = check_layout(layout)
     eps, weight_offset, per_token = _check_options(eps, weight_offset, norm, layout, inplace, {"weight": weight})
     _check_rows(x, "x", per_token)
     check_norm_weight(weight, x, per_token, "weight", "x")

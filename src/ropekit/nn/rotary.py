@@ -31,10 +31,12 @@ _MIN_TABLE = 256
 # positions are computed for the tokens that need them, so no position id can make the module
 # allocate more than the tokens it rotates.
 MAX_CACHED_POSITIONS = 1 << 16
-# Every change of a module's tables (or of its scaling rule) takes a new number from here: the
-# signature of a prepared call holds it, so a call prepared for other tables is never found (a
-# copy of a module shares the number only while its tables are the original's).
+# Every change of a module's tables, or of an attribute a call depends on (_CALL_STATE), takes a
+# new number from here: the signature of a prepared call holds it, so a call prepared for other
+# tables or options is never found (a copy of a module shares the number only while nothing of it
+# has changed since).
 _TABLE_VERSIONS = itertools.count()
+_CALL_STATE = frozenset(("layout", "backend", "head_dim", "max_cached_positions", "scaling"))
 
 
 def position_batch_axis(ndim: int, seq_axis: int) -> int | None:
@@ -166,7 +168,6 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary_dim ({self.rotary_dim}) must not exceed head_dim ({self.head_dim})")
         self.base = check_positive_float(base, "base")
         self.layout = check_layout(layout)
-        self._table_version = next(_TABLE_VERSIONS)
         self.scaling = scaling
         self.backend = backend
         if isinstance(max_cached_positions, bool) or not isinstance(max_cached_positions, int) or (
@@ -185,15 +186,11 @@ class RotaryEmbedding(nn.Module):
             f"layout={self.layout!r}, scaling={self.scaling!r}"
         )
 
-    @property
-    def scaling(self) -> Any:
-        """The scaling rule (``None`` or a rule from :mod:`ropekit.scaling`)."""
-        return self._scaling
-
-    @scaling.setter
-    def scaling(self, rule: Any) -> None:
-        self._scaling = rule
-        self._table_version = next(_TABLE_VERSIONS)  # a dynamic rule changes what a call does
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Set an attribute; one a call depends on (layout, backend, ...) also retires the calls prepared before."""
+        super().__setattr__(name, value)
+        if name in _CALL_STATE:
+            super().__setattr__("_table_version", next(_TABLE_VERSIONS))
 
     # -- tables -----------------------------------------------------------------------------
     def _refresh_dynamic(self, seq_len: int) -> None:
@@ -417,9 +414,8 @@ class RotaryEmbedding(nn.Module):
         shapes to :func:`ropekit.apply_rotary_qk` with the rows gathered here.
         """
         if positions is None and seq_len is None and shard_scheme is None:  # a decode step's form: maybe prepared
-            key, run, cos, sin = prepared_keys.rotary_embedding(
-                self._tables, self._table_version, self.layout, self.backend, self.head_dim, self.max_cached_positions,
-                q, k, offset, tensor_format, seq_dim, inplace)
+            key, run, cos, sin = prepared_keys.rotary_embedding(self._tables, self._table_version, q, k, offset,
+                                                                tensor_format, seq_dim, inplace)
             if run is not None:
                 return run(q, k, cos, sin, offset)
             preparable = key is not None
@@ -463,13 +459,11 @@ class RotaryEmbedding(nn.Module):
         cached = self._tables.get(q.device)
         if getattr(self.scaling, "dynamic", False) or cached is None or cached[0] is not cos or cached[1] is not sin:
             return  # frequencies that follow the length, or rows computed for this call alone
-        _, run = prepared_keys.rotate_qk(q, k, cos, sin, offset, None, axis, check_layout(self.layout), inplace,
-                                         self.backend)
+        _, run = prepared_keys.rotate_qk(q, k, cos, sin, offset, None, axis, self.layout, inplace, self.backend)
         if run is None:
             return
-        key = prepared_keys.rotary_embedding(self._tables, self._table_version, self.layout, self.backend,
-                                             self.head_dim, self.max_cached_positions, q, k, offset, tensor_format,
-                                             seq_dim, inplace)[0]
+        key = prepared_keys.rotary_embedding(self._tables, self._table_version, q, k, offset, tensor_format, seq_dim,
+                                             inplace)[0]
         rows = min(cos.shape[0], self.max_cached_positions)
         prepared.keep(key, run, (q, k, cos, sin), rows, q.shape[axis], q.device)
 

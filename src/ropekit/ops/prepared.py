@@ -7,8 +7,9 @@ holds everything the checks read, so a call found here would pass every check of
 
 A signature (built per entry point by :mod:`ropekit.ops.prepared_keys`, one flat tuple) holds:
 
-- each tensor argument's shape, strides, dtype and device (True for the CPU), and its type where a
-  ``nn.Parameter`` is accepted (``None`` for an absent optional tensor): every size and dtype
+- each tensor argument's shape, strides (True for a contiguous tensor: its shape fixes every
+  stride that addresses a second element), dtype and device (True for the CPU), and its type where
+  a ``nn.Parameter`` is accepted (``None`` for an absent optional tensor): every size and dtype
   check, the tables' batch sizes and the internal-overlap check of an in-place tensor depend on
   nothing else;
 - each option's type and value (``inplace=1`` is not ``inplace=True``), the backend's name

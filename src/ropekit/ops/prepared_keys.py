@@ -4,7 +4,10 @@ One function per entry point builds the signature :mod:`ropekit.ops.prepared` de
 flat tuple, every attribute read written out: a decode step pays for the signature on every
 call, and a loop over the tensors, a helper per tensor or a storage lookup per argument costs
 more than the kernel call of a small step (a device is read only off the CPU: ``t.is_cpu or
-t.device``, True for every CPU tensor). Each returns ``(key, call)``:
+t.device``, True for every CPU tensor; strides only off contiguous tensors: ``t.is_contiguous()
+or t.stride()``, True for every contiguous one, whose shape then fixes every stride a check or a
+kernel depends on: the stride of an axis of size 1 addresses no second element). Each returns
+``(key, call)``:
 
 - ``(None, None)``: no shortcut; the checks run and nothing is kept (an argument given twice, a
   gradient to record, tracing, a subclass or layout without strides, or a written tensor that
@@ -39,9 +42,9 @@ def apply_rotary(x, cos, sin, layout, inplace, backend) -> tuple:
         return _COLD
     try:
         key = ("apply_rotary", layout, type(layout), inplace, type(inplace), backend, type(backend),
-               x.shape, x.stride(), x.dtype, x.is_cpu or x.device,
-               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
-               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device)
+               x.shape, x.is_contiguous() or x.stride(), x.dtype, x.is_cpu or x.device,
+               cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.is_contiguous() or sin.stride(), sin.dtype, sin.is_cpu or sin.device)
         entry = calls.get(key)
     except (RuntimeError, TypeError):  # stride() of a layout without strides; an unhashable option
         return _COLD
@@ -63,9 +66,10 @@ def apply_rotary_qk(q, k, cos, sin, layout, inplace, backend) -> tuple:
         return _COLD
     try:
         key = ("apply_rotary_qk", layout, type(layout), inplace, type(inplace), backend, type(backend),
-               q.shape, q.stride(), q.dtype, q.is_cpu or q.device, k.shape, k.stride(), k.dtype, k.is_cpu or k.device,
-               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
-               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device)
+               q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
+               k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device,
+               cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.is_contiguous() or sin.stride(), sin.dtype, sin.is_cpu or sin.device)
         entry = calls.get(key)
     except (RuntimeError, TypeError):
         return _COLD
@@ -101,12 +105,15 @@ def rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, eps, norm, layout, we
     try:
         key = ("rms_norm_rotary_qk", eps, type(eps), norm, type(norm), layout, type(layout), weight_offset,
                type(weight_offset), inplace, type(inplace), backend, type(backend),
-               q.shape, q.stride(), q.dtype, q.is_cpu or q.device, k.shape, k.stride(), k.dtype, k.is_cpu or k.device,
-               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
-               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device,
-               type(q_weight), None if no_qw else q_weight.shape, None if no_qw else q_weight.stride(),
+               q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
+               k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device,
+               cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.is_contiguous() or sin.stride(), sin.dtype, sin.is_cpu or sin.device,
+               type(q_weight), None if no_qw else q_weight.shape,
+               None if no_qw else q_weight.is_contiguous() or q_weight.stride(),
                None if no_qw else q_weight.dtype, None if no_qw else q_weight.is_cpu or q_weight.device,
-               type(k_weight), None if no_kw else k_weight.shape, None if no_kw else k_weight.stride(),
+               type(k_weight), None if no_kw else k_weight.shape,
+               None if no_kw else k_weight.is_contiguous() or k_weight.stride(),
                None if no_kw else k_weight.dtype, None if no_kw else k_weight.is_cpu or k_weight.device,
                q_weight is k_weight)
         entry = calls.get(key)
@@ -140,10 +147,11 @@ def rms_norm_rotary(x, weight, cos, sin, eps, norm, layout, weight_offset, inpla
     try:
         key = ("rms_norm_rotary", eps, type(eps), norm, type(norm), layout, type(layout), weight_offset,
                type(weight_offset), inplace, type(inplace), backend, type(backend),
-               x.shape, x.stride(), x.dtype, x.is_cpu or x.device,
-               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
-               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device,
-               type(weight), None if no_w else weight.shape, None if no_w else weight.stride(),
+               x.shape, x.is_contiguous() or x.stride(), x.dtype, x.is_cpu or x.device,
+               cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.is_contiguous() or sin.stride(), sin.dtype, sin.is_cpu or sin.device,
+               type(weight), None if no_w else weight.shape,
+               None if no_w else weight.is_contiguous() or weight.stride(),
                None if no_w else weight.dtype, None if no_w else weight.is_cpu or weight.device)
         entry = calls.get(key)
     except (RuntimeError, TypeError):
@@ -186,15 +194,20 @@ def rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight,
     try:
         key = ("rotate_into_cache", layout, type(layout), eps, type(eps), norm, type(norm), weight_offset,
                type(weight_offset), block_size, type(block_size), backend, type(backend),
-               k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.is_cpu or k_cache.device,
-               v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.is_cpu or v_cache.device,
-               k.shape, k.stride(), k.dtype, k.is_cpu or k.device, v.shape, v.stride(), v.dtype,
+               k_cache.shape, k_cache.is_contiguous() or k_cache.stride(), k_cache.dtype,
+               k_cache.is_cpu or k_cache.device,
+               v_cache.shape, v_cache.is_contiguous() or v_cache.stride(), v_cache.dtype,
+               v_cache.is_cpu or v_cache.device,
+               k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device,
+               v.shape, v.is_contiguous() or v.stride(), v.dtype,
                v.is_cpu or v.device,
-               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
-               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device,
-               slots_int, slots >= 0 if slots_int else slots.shape, None if slots_int else slots.stride(),
+               cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.is_contiguous() or sin.stride(), sin.dtype, sin.is_cpu or sin.device,
+               slots_int, slots >= 0 if slots_int else slots.shape,
+               None if slots_int else slots.is_contiguous() or slots.stride(),
                None if slots_int else slots.dtype, None if slots_int else slots.is_cpu or slots.device,
-               type(k_weight), None if no_kw else k_weight.shape, None if no_kw else k_weight.stride(),
+               type(k_weight), None if no_kw else k_weight.shape,
+               None if no_kw else k_weight.is_contiguous() or k_weight.stride(),
                None if no_kw else k_weight.dtype, None if no_kw else k_weight.is_cpu or k_weight.device)
         entry = calls.get(key)
     except (RuntimeError, TypeError):
@@ -235,9 +248,12 @@ def rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layou
     try:
         key = ("rotate_qk", layout, type(layout), inplace, type(inplace), backend, type(backend), tensor_format,
                type(tensor_format), seq_dim, type(seq_dim),
-               q.shape, q.stride(), q.dtype, q.is_cpu or q.device, k.shape, k.stride(), k.dtype, k.is_cpu or k.device,
-               cos_table.shape, cos_table.stride(), cos_table.dtype, cos_table.is_cpu or cos_table.device,
-               sin_table.shape, sin_table.stride(), sin_table.dtype, sin_table.is_cpu or sin_table.device)
+               q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
+               k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device,
+               cos_table.shape, cos_table.is_contiguous() or cos_table.stride(), cos_table.dtype,
+               cos_table.is_cpu or cos_table.device,
+               sin_table.shape, sin_table.is_contiguous() or sin_table.stride(), sin_table.dtype,
+               sin_table.is_cpu or sin_table.device)
         entry = calls.get(key)
     except (RuntimeError, TypeError):
         return _COLD
@@ -258,27 +274,26 @@ def rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layou
 _COLD_MODULE = (None, None, None, None)
 
 
-def rotary_embedding(tables, version, layout, backend, head_dim, max_cached, q, k, offset, tensor_format, seq_dim,
-                     inplace) -> tuple:
+def rotary_embedding(tables, version, q, k, offset, tensor_format, seq_dim, inplace) -> tuple:
     """``(key, call, cos_table, sin_table)`` of ``RotaryEmbedding.forward(q, k, offset=offset)`` (int offset).
 
-    The module passes its own state: its cached ``tables`` (device -> (cos, sin)) and their
-    ``version`` (a number never reused, new whenever the tables change), its ``layout``,
-    ``backend``, ``head_dim`` and ``max_cached`` positions; the signature holds those besides q's
-    and k's shapes, strides, dtypes and devices and the call's options. The call found is the
-    prepared call of ``rotate_qk`` that the module's cold call reached (the module's tables, its
-    rows, the tokens of q and the device are kept with it): ``call(q, k, cos_table, sin_table,
-    offset)``. The offset is checked on every call against the rows the module would serve from
-    its cached tables; a value outside them (tables to grow, rows past ``max_cached``, a negative
-    offset) has no signature.
+    The module passes its cached ``tables`` (device -> (cos, sin)) and its ``version``: a number
+    never reused, new whenever its tables change or an attribute its calls depend on is set
+    (layout, backend, head_dim, max_cached_positions, scaling). The signature holds the version,
+    q's and k's shapes, strides, dtypes and devices and the call's options. The call found is the
+    prepared call of ``rotate_qk`` that the module's cold call reached (the tables' rows the module
+    serves, q's tokens and the device are kept with it): ``call(q, k, cos_table, sin_table,
+    offset)``. The offset is checked on every call against those rows; a value outside them
+    (tables to grow, rows past ``max_cached_positions``, a negative offset) has no signature.
     """
     if (type(offset) is not int or _is_compiling() or type(q) is not Tensor or type(k) is not Tensor or q is k
             or (_grad_enabled() and (q.requires_grad or k.requires_grad))):
         return _COLD_MODULE
     try:
-        key = ("RotaryEmbedding", version, layout, type(layout), backend, type(backend), head_dim, max_cached, inplace,
-               type(inplace), tensor_format, type(tensor_format), seq_dim, type(seq_dim),
-               q.shape, q.stride(), q.dtype, q.is_cpu or q.device, k.shape, k.stride(), k.dtype, k.is_cpu or k.device)
+        key = ("RotaryEmbedding", version, inplace, type(inplace), tensor_format, type(tensor_format), seq_dim,
+               type(seq_dim),
+               q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
+               k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device)
         entry = calls.get(key)
     except (RuntimeError, TypeError):
         return _COLD_MODULE
