@@ -317,3 +317,22 @@ def test_interleaved_views_in_place_are_prepared_and_exact():
         ropekit.apply_rotary_qk(qkv[..., :D], qkv[..., D:2 * D], cos, sin, inplace=True)
     assert len(prepared.calls) == 1
     assert torch.equal(qkv, want)
+
+
+def test_a_size_one_axis_stride_is_no_part_of_a_contiguous_signature():
+    """Contiguous q/k whose size-1 axis has another stride share the signature; warm results are cold ones' bits."""
+    gen = torch.Generator().manual_seed(9)
+    cos, sin = _tables(torch.arange(1))
+    plain = [torch.randn(B, H, 1, D, generator=gen) for _ in range(2)]
+    odd = [torch.randn(B * H * D + 64, generator=gen).as_strided((B, H, 1, D), (H * D, D, 777, 1)) for _ in range(2)]
+    assert all(t.is_contiguous() for t in odd) and odd[0].stride() != plain[0].stride()
+    for inplace in (False, True):
+        want = []
+        for q, k in (plain, odd):
+            prepared.clear()
+            want.append([t.clone() for t in ropekit.apply_rotary_qk(q.clone(), k.clone(), cos, sin, inplace=inplace)])
+        prepared.clear()
+        for (q, k), expected in zip((plain, odd), want, strict=True):  # the second call finds the first one's
+            got = ropekit.apply_rotary_qk(q.clone(), k.clone(), cos, sin, inplace=inplace)
+            assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(got, expected, strict=True))
+        assert len(prepared.calls) == 1
