@@ -412,6 +412,12 @@ class RotaryEmbedding(nn.Module):
         q and k of 2 to 4 dims with one rank, batch and dtype go to :func:`ropekit.rotate_qk` (one
         kernel call; the rows are looked up by position, inside the kernel on CUDA); other
         shapes to :func:`ropekit.apply_rotary_qk` with the rows gathered here.
+
+        A decode loop's calls (an int ``offset``, no ``positions``/``seq_len``, plain tensors, no
+        gradient to record) are prepared calls after the first: a call whose signature (q's and
+        k's shapes, strides, dtypes and devices, the options, and this module's tables and
+        attributes) passed every check before runs the kernel directly, its offset checked
+        against the cached rows (:func:`ropekit.ops.prepared_keys.rotary_embedding`).
         """
         if positions is None and seq_len is None and shard_scheme is None:  # a decode step's form: maybe prepared
             key, run, cos, sin = prepared_keys.rotary_embedding(self._tables, self._table_version, q, k, offset,
@@ -441,7 +447,7 @@ class RotaryEmbedding(nn.Module):
             cos, sin, where = self._table_rows(q, positions, offset, seq_dim, seq_len)
             out = rotate_qk(q, k, cos, sin, **where, seq_dim=seq_dim, layout=self.layout, inplace=inplace,
                             backend=self.backend)
-            if preparable and where.get("offsets") is offset:
+            if preparable and "offsets" in where:  # by an int offset, from the cached tables
                 self._keep_prepared(q, k, offset, *given, inplace, seq_dim, cos, sin)
             return out
         cos, sin = self._broadcast_tables(q, positions, offset, seq_dim, seq_len)
