@@ -15,8 +15,9 @@ static cache says it is compileable, transformers builds that mask at every step
 token, where it would otherwise leave attention unmasked (it expects a compiled forward). A tiny
 model decoded 10-20% fewer tokens per second with it than with ``DynamicCache`` (which attends over
 the written keys, unmasked for one query token). Here the slots written are counted in Python
-(``filled``, beside the ``cumulative_length`` tensor: nothing is read back from the device), and the
-layer is compileable only while ``torch.compile`` traces it, where it returns every slot, as
+(``filled``, beside the ``cumulative_length`` tensor: nothing is read back from the device; the
+layers also give it as their length and as the slot the keys go to), and the layer is compileable
+only while ``torch.compile`` traces it, where it returns every slot, as
 transformers' does. ``generate`` compiles its forward only on accelerators (or when asked to with
 ``compile_config``), so on a model elsewhere (a GPU: ``generate`` may compile with a static cache)
 the layers keep transformers' behaviour.
@@ -62,6 +63,12 @@ class RotatingStaticLayer(StaticLayer):
         super().reset()
         self.filled = 0
 
+    def get_seq_length(self) -> Any:
+        """The tokens in the layer: an int (as DynamicCache gives) in eager mode with attend_written, else a tensor."""
+        if self.is_compileable:
+            return super().get_seq_length()
+        return self.filled
+
     def get_mask_sizes(self, query_length: Any, *args: Any, **kwargs: Any) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the mask: the slots written once this step's are (eager), else every slot."""
         if self.is_compileable:
@@ -88,12 +95,15 @@ class RotatingStaticLayer(StaticLayer):
         _, k, spec, cos, sin = deferred
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        norm = {} if spec is None else dict(
-            k_weight=spec.weight.view(k.shape[1], -1) if spec.weight.numel() != k.shape[-1] else spec.weight,
-            eps=spec.eps, weight_offset=spec.weight_offset,
-            norm="per_token" if spec.weight.numel() != k.shape[-1] else "per_head")
-        rotate_into_cache(k, value_states, cos, sin, self.keys, self.values, self.cumulative_length,
-                          layout=call.layout, backend=call.backend, **norm)
+        norm = {}
+        if spec is not None:
+            weight = spec.weight
+            per_token = weight.numel() != k.shape[-1]
+            norm = dict(k_weight=weight.view(k.shape[1], -1) if per_token else weight, eps=spec.eps,
+                        weight_offset=spec.weight_offset, norm="per_token" if per_token else "per_head")
+        start = self.cumulative_length if self.is_compileable else self.filled  # eager with attend_written: an int
+        rotate_into_cache(k, value_states, cos, sin, self.keys, self.values, start, layout=call.layout,
+                          backend=call.backend, **norm)
         self.cumulative_length.add_(k.shape[-2])
         self.filled += k.shape[-2]
         return self._written()
