@@ -76,9 +76,11 @@ def test_eager_layers_hand_attention_the_written_slots_and_compiled_ones_every_s
     assert layer.get_mask_sizes(torch.arange(3, 4)) == (4, 0)  # transformers before 4.57 passes cache_position
     keys, _ = layer.update(key[:, :, :1], value[:, :, :1])
     assert keys.shape[2] == 4 and keys.data_ptr() == layer.keys.data_ptr()
+    assert type(layer.get_seq_length()) is int and layer.get_seq_length() == 4
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert layer.is_compileable
     assert layer.get_mask_sizes(1) == (10, 0)
+    assert layer.get_seq_length() is layer.cumulative_length and int(layer.cumulative_length) == 4
     assert layer.update(key[:, :, :1], value[:, :, :1])[0] is layer.keys
     monkeypatch.undo()
     layer.reset()
