@@ -21,7 +21,9 @@ machine hits every contender alike; the order of the contenders turns every roun
              ``ropekit.integrations.transformers.patch``, 64 tokens after a 16-token prompt: tokens/s
              with transformers' default ``DynamicCache`` and with
              ``ropekit.integrations.transformers.static_cache``, the two alternating run by run (the
-             fastest of 3 runs of each per round), after checking that both decode the same tokens.
+             fastest of 3 runs of each per round); the table says whether both decoded the same
+             tokens (greedy decoding of a random model: a different rounding in attention can flip a
+             near tie in bfloat16).
 
 The machine's load (``os.getloadavg()``) is printed before and after. Usage::
 
@@ -178,13 +180,12 @@ def cache(rounds: int, new_tokens: int = 64, prompt_tokens: int = 16) -> list[di
             try:
                 runs = {"DynamicCache": decoding(model, prompt, options, None),
                         "static_cache": decoding(model, prompt, options, prompt_tokens + new_tokens)}
-                if not torch.equal(runs["DynamicCache"](), runs["static_cache"]()):
-                    raise SystemExit(f"{family} {dtype_name}: the static cache decoded other tokens than DynamicCache")
+                same_tokens = torch.equal(runs["DynamicCache"](), runs["static_cache"]())
                 times = interleaved(runs, rounds, 1, repeats=3, warmup=1)
             finally:
                 unpatch(model)
             rates = {name: [new_tokens / t for t in ts] for name, ts in times.items()}
-            rows.append({"model": family, "dtype": dtype_name,
+            rows.append({"model": family, "dtype": dtype_name, "same_tokens": same_tokens,
                          "tokens_per_s": {name: summary(r) for name, r in rates.items()},
                          "static / dynamic": summary([s / d for s, d in zip(rates["static_cache"],
                                                                             rates["DynamicCache"], strict=True)])})
@@ -217,12 +218,13 @@ def print_tables(step_rows: list[dict], cache_rows: list[dict], load: tuple, rou
                   + " | ".join(cell(row["ratios"][label], 2) for label in RATIOS) + " |")
     if cache_rows:
         print("\nGreedy decoding of tiny patched models, tokens/s (median (min-max) over the rounds):\n")
-        print("| model | dtype | DynamicCache | static_cache | static / dynamic |")
-        print("|---|---|---:|---:|---:|")
+        print("| model | dtype | DynamicCache | static_cache | static / dynamic | same tokens |")
+        print("|---|---|---:|---:|---:|---|")
         for row in cache_rows:
             rates = row["tokens_per_s"]
             print(f"| {row['model']} | {row['dtype']} | {cell(rates['DynamicCache'], 0)} | "
-                  f"{cell(rates['static_cache'], 0)} | {cell(row['static / dynamic'], 2)} |")
+                  f"{cell(rates['static_cache'], 0)} | {cell(row['static / dynamic'], 2)} | "
+                  f"{'yes' if row['same_tokens'] else 'no'} |")
 
 
 def main() -> None:
