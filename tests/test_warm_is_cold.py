@@ -1,8 +1,9 @@
 """A warm call is a cold call: the same outcome whether or not a call of its signature came before.
 
 The property test draws sequences of calls, valid and invalid (aliased arguments, ``inplace=1``,
-dtypes that do not fit, tables of another batch, unknown or unfit backend names), over every public
-entry point, and replays each sequence twice: cold (every prepared call forgotten before each call,
+dtypes that do not fit, tables of another batch, offsets outside the tables, unknown or unfit
+backend names), over every public entry point (``RotaryEmbedding`` one module per backend, whose
+tables grow as the calls need), and replays each sequence twice: cold (every prepared call forgotten before each call,
 as in a fresh process: :func:`ropekit.ops.prepared.clear`) and warm (state kept, each call made
 twice in a row, after a valid call of the same entry point, shapes and options). Outcomes must be
 identical: the same exception type and message, or the same bits in every output and every input
@@ -24,8 +25,9 @@ from ropekit.ops import prepared
 torch.set_num_threads(1)
 
 B, H, S, D, MAX_LEN, BLOCK = 2, 2, 3, 8, 8, 4
-ENTRIES = ("apply_rotary", "apply_rotary_qk", "rotate", "rotate_qk", "rms_norm_rotary_qk", "rms_norm_rotary",
-           "cache_contiguous", "cache_paged", "module_forward")
+ENTRIES = ("apply_rotary", "apply_rotary_qk", "rotate", "rotate_qk", "rotate_qk_offset", "rms_norm_rotary_qk",
+           "rms_norm_rotary", "cache_contiguous", "cache_paged", "module_forward")
+MODULES: dict[str, ropekit.RotaryEmbedding] = {}  # one per backend name, kept across calls: its calls get warm
 VARIANTS = ("valid", "valid", "valid", "same_tensor", "overlap", "inplace_int", "dtype", "table_batch")
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "no-such-backend")
 
@@ -75,9 +77,14 @@ def build(entry: str, variant: str, dtype: torch.dtype, inplace: bool, backend: 
         x = buf[0:B] if variant == "overlap" else q
         w = x.float()[0, 0, 0] if variant == "overlap" and dtype == torch.float32 else w_q
         return (lambda: ropekit.rms_norm_rotary(x, w, cos, sin, eps=1e-6, inplace=flag, **opts)), [x, w]
+    # by one int offset: valid ones of the seed, or outside the tables (-1; MAX_LEN: past the module's cached rows)
+    offset = -1 if variant == "table_batch" else (MAX_LEN if seed == 3 else seed)
+    if entry == "rotate_qk_offset":
+        return (lambda: ropekit.rotate_qk(q, k, table_cos, table_sin, offsets=offset, seq_dim=2, inplace=flag,
+                                          **opts)), [q, k]
     if entry == "module_forward":
-        module = ropekit.RotaryEmbedding(D, backend=backend)
-        return (lambda: module(q, k, offset=2, inplace=flag)), [q, k]
+        module = MODULES.setdefault(backend, ropekit.RotaryEmbedding(D, backend=backend, max_cached_positions=MAX_LEN))
+        return (lambda: module(q, k, offset=offset, inplace=flag)), [q, k]
     cache_dtype = torch.bfloat16 if variant == "dtype" else dtype  # float32 keys into bfloat16 caches
     key_in = k.to(dtype) if variant == "dtype" else k
     value = randn(*key_in.shape)
@@ -310,3 +317,22 @@ def test_interleaved_views_in_place_are_prepared_and_exact():
         ropekit.apply_rotary_qk(qkv[..., :D], qkv[..., D:2 * D], cos, sin, inplace=True)
     assert len(prepared.calls) == 1
     assert torch.equal(qkv, want)
+
+
+def test_a_size_one_axis_stride_is_no_part_of_a_contiguous_signature():
+    """Contiguous q/k whose size-1 axis has another stride share the signature; warm results are cold ones' bits."""
+    gen = torch.Generator().manual_seed(9)
+    cos, sin = _tables(torch.arange(1))
+    plain = [torch.randn(B, H, 1, D, generator=gen) for _ in range(2)]
+    odd = [torch.randn(B * H * D + 64, generator=gen).as_strided((B, H, 1, D), (H * D, D, 777, 1)) for _ in range(2)]
+    assert all(t.is_contiguous() for t in odd) and odd[0].stride() != plain[0].stride()
+    for inplace in (False, True):
+        want = []
+        for q, k in (plain, odd):
+            prepared.clear()
+            want.append([t.clone() for t in ropekit.apply_rotary_qk(q.clone(), k.clone(), cos, sin, inplace=inplace)])
+        prepared.clear()
+        for (q, k), expected in zip((plain, odd), want, strict=True):  # the second call finds the first one's
+            got = ropekit.apply_rotary_qk(q.clone(), k.clone(), cos, sin, inplace=inplace)
+            assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(got, expected, strict=True))
+        assert len(prepared.calls) == 1

@@ -22,7 +22,7 @@ from .ops.dispatch import check_runs, resolve
 from .ops.dispatch import get as get_backend
 from .ops.eager import apply_rotary_differentiable
 from .ops.memory import check_not_shared
-from .ops.positions import check_shapes
+from .ops.positions import check_shapes, qk_axes
 from .validation import check_float_tensor, check_inplace, check_layout, check_tables, resolve_seq_dim
 
 
@@ -61,10 +61,10 @@ def apply_rotary_qk(
     Returns:
         ``(q_rotated, k_rotated)`` with the shapes and dtypes of q and k.
     """
-    layout = check_layout(layout)
-    key, run = prepared_keys.apply_rotary_qk(q, k, cos, sin, layout, inplace, backend)
+    key, run = prepared_keys.apply_rotary_qk(q, k, cos, sin, layout, inplace, backend)  # the layout as given
     if run is not None:
         return run(q, k, cos, sin)
+    layout = check_layout(layout)
     check_float_tensor(q, "q")
     check_float_tensor(k, "k")
     _check_options(layout, inplace)
@@ -134,10 +134,10 @@ def apply_rotary(
     activations). When ``cos``/``sin`` require grad (learned frequencies) a composite
     path is used that also differentiates the tables.
     """
-    layout = check_layout(layout)
-    key, run = prepared_keys.apply_rotary(x, cos, sin, layout, inplace, backend)
+    key, run = prepared_keys.apply_rotary(x, cos, sin, layout, inplace, backend)  # the layout as given
     if run is not None:
         return run(x, cos, sin)
+    layout = check_layout(layout)
     check_float_tensor(x, "x")
     _check_options(layout, inplace)
     if inplace:
@@ -295,6 +295,12 @@ def rotate_qk(
     Raises:
         ValueError: bad shapes, or positions outside the tables (checked before the kernel runs).
     """
+    key = None
+    if positions is None and cu_seqlens is None and max_seqlen is None and head_size is None:  # one int offset
+        key, run = prepared_keys.rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layout,
+                                           inplace, backend)  # the layout as given
+        if run is not None:
+            return run(q, k, cos_table, sin_table, offsets)
     layout = check_layout(layout)
     if head_size is not None:  # vLLM's flat (tokens, heads * head_size) q and k
         q_heads, k_heads = _unflatten_heads(q, head_size, "q"), _unflatten_heads(k, head_size, "k")
@@ -311,4 +317,8 @@ def rotate_qk(
                         {"positions": positions, "offsets": offsets, "cu_seqlens": cu_seqlens})
     name = resolve(backend, q.device.type)
     check_runs(backend, name, {"q": q, "k": k})
+    if key is not None and operators.direct(q, k, cos_table, sin_table):
+        prepared.keep(key, get_backend(name).prepared_by_offset((q, k, cos_table, sin_table), seq_dim=seq_dim,
+                                                                layout=layout, inplace=inplace),
+                      (q, k, cos_table, sin_table), cos_table.shape[0], q.shape[qk_axes(q.dim(), seq_dim)[1]])
     return operators.rotate_qk(q, k, cos_table, sin_table, where, layout=layout, backend=name, inplace=inplace)

@@ -159,9 +159,8 @@ def rotate_into_cache(
 
     No autograd (a cache write): k and v must not require grad while grad is enabled.
     """
-    layout = check_layout(layout)
     key, run = prepared_keys.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight, eps, norm,
-                                               weight_offset, block_size, backend)
+                                               weight_offset, block_size, backend)  # the layout as given
     if run is not None:
         slots_int = type(slots) is int
         try:  # the kernels check the slots' values (inside the caches) on every call, before writing
@@ -169,6 +168,7 @@ def rotate_into_cache(
             return
         except (RuntimeError, ValueError, TypeError):
             pass  # the checks below raise what a first call raises (or this call raises the kernel's error again)
+    layout = check_layout(layout)
     paged_block = _check_caches(k, v, k_cache, v_cache, block_size)
     slot_tensor, start = _check_slots(slots, k, paged_block > 0, k_cache)
     per_token = check_norm(norm)

@@ -127,11 +127,11 @@ def rms_norm_rotary_qk(
     Autograd: gradients reach q, k and the weights (not cos/sin); the backward recomputes the
     norm from q and k (nothing else of their size is saved).
     """
-    layout = check_layout(layout)
     key, run = prepared_keys.rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, eps, norm, layout, weight_offset,
-                                                inplace, backend)
+                                                inplace, backend)  # the layout as given
     if run is not None:
         return run(q, k, q_weight, k_weight, cos, sin)
+    layout = check_layout(layout)
     eps, weight_offset, per_token = _check_options(eps, weight_offset, norm, layout, inplace,
                                                    {"q_weight": q_weight, "k_weight": k_weight})
     _check_rows(q, "q", per_token)
@@ -181,6 +181,10 @@ def rms_norm_rotary(
 
     Arguments, result and precision as there, with ``x`` and ``weight`` for q and ``q_weight``.
     """
+    key, run = prepared_keys.rms_norm_rotary(x, weight, cos, sin, eps, norm, layout, weight_offset, inplace,
+                                             backend)  # the layout as given
+    if run is not None:
+        return run(x, weight, cos, sin)
     layout = check_layout(layout)
     eps, weight_offset, per_token = _check_options(eps, weight_offset, norm, layout, inplace, {"weight": weight})
     _check_rows(x, "x", per_token)
@@ -192,5 +196,11 @@ def rms_norm_rotary(
         check_not_shared({"x": x}, {"weight": weight, "cos": cos, "sin": sin}, "inplace=True")
     name = resolve(backend, x.device.type)
     check_runs(backend, name, {"x": x})
-    return operators_fused.rms_norm_rotary(x, weight, cos, sin, eps=eps, weight_offset=weight_offset,
-                                           per_token=per_token, layout=layout, backend=name, inplace=inplace)
+    call = dict(eps=eps, weight_offset=weight_offset, per_token=per_token, layout=layout, backend=name,
+                inplace=inplace)
+    if operators_fused.direct_with_weights(x, cos, sin, weights=(weight,)):
+        kernel = get_backend(name)
+        options_of_kernel = {n: v for n, v in call.items() if n != "backend"}
+        prepared.keep(key, lambda *tensors: kernel.rms_norm_rotary(*tensors, **options_of_kernel),
+                      (x, cos, sin, weight))
+    return operators_fused.rms_norm_rotary(x, weight, cos, sin, **call)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from .._deprecation import deprecated_method
 from ..config.rules import inv_frequencies
 from ..functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
+from ..ops import prepared, prepared_keys
 from ..ops.positions import qk_axes
 from ..rope.frequencies import cos_sin
 from ..validation import (
@@ -29,6 +31,12 @@ _MIN_TABLE = 256
 # positions are computed for the tokens that need them, so no position id can make the module
 # allocate more than the tokens it rotates.
 MAX_CACHED_POSITIONS = 1 << 16
+# Every change of a module's tables, or of an attribute a call depends on (_CALL_STATE), takes a
+# new number from here: the signature of a prepared call holds it, so a call prepared for other
+# tables or options is never found (a copy of a module shares the number only while nothing of it
+# has changed since).
+_TABLE_VERSIONS = itertools.count()
+_CALL_STATE = frozenset(("layout", "backend", "head_dim", "max_cached_positions", "scaling"))
 
 
 def position_batch_axis(ndim: int, seq_axis: int) -> int | None:
@@ -178,6 +186,12 @@ class RotaryEmbedding(nn.Module):
             f"layout={self.layout!r}, scaling={self.scaling!r}"
         )
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Set an attribute; one a call depends on (layout, backend, ...) also retires the calls prepared before."""
+        super().__setattr__(name, value)
+        if name in _CALL_STATE:
+            super().__setattr__("_table_version", next(_TABLE_VERSIONS))
+
     # -- tables -----------------------------------------------------------------------------
     def _refresh_dynamic(self, seq_len: int) -> None:
         """Dynamic rules recompute the frequencies when the sequence length changes."""
@@ -189,6 +203,7 @@ class RotaryEmbedding(nn.Module):
             return  # inside the original length the frequencies do not move: keep the tables
         self.inv_freq, self.attention_scale = inv_freq, scale
         self._tables.clear()
+        self._table_version = next(_TABLE_VERSIONS)
 
     def tables(self, length: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``(cos, sin)`` of shape ``(n, rotary_dim // 2)`` with ``n >= length``, on ``device``.
@@ -208,6 +223,7 @@ class RotaryEmbedding(nn.Module):
         size = min(size, self.max_cached_positions)
         cached = cos_sin(torch.arange(size, device=device), self.inv_freq, attention_scale=self.attention_scale)
         self._tables[device] = cached
+        self._table_version = next(_TABLE_VERSIONS)
         return cached
 
     def cos_sin(
@@ -396,7 +412,22 @@ class RotaryEmbedding(nn.Module):
         q and k of 2 to 4 dims with one rank, batch and dtype go to :func:`ropekit.rotate_qk` (one
         kernel call; the rows are looked up by position, inside the kernel on CUDA); other
         shapes to :func:`ropekit.apply_rotary_qk` with the rows gathered here.
+
+        A decode loop's calls (an int ``offset``, no ``positions``/``seq_len``, plain tensors, no
+        gradient to record) are prepared calls after the first: a call whose signature (q's and
+        k's shapes, strides, dtypes and devices, the options, and this module's tables and
+        attributes) passed every check before runs the kernel directly, its offset checked
+        against the cached rows (:func:`ropekit.ops.prepared_keys.rotary_embedding`).
         """
+        if positions is None and seq_len is None and shard_scheme is None:  # a decode step's form: maybe prepared
+            key, run, cos, sin = prepared_keys.rotary_embedding(self._tables, self._table_version, q, k, offset,
+                                                                tensor_format, seq_dim, inplace)
+            if run is not None:
+                return run(q, k, cos, sin, offset)
+            preparable = key is not None
+        else:
+            preparable = False
+        given = (tensor_format, seq_dim)
         seq_dim = order_of(q, k, positions, tensor_format, seq_dim)
         if is_dtensor(q) or is_dtensor(k) or shard_scheme is not None:
             return self._forward_dtensor(q, k, positions, offset, seq_dim, inplace, seq_len, shard_scheme)
@@ -414,10 +445,33 @@ class RotaryEmbedding(nn.Module):
                     self.rotate_one(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len))
         if 2 <= q.dim() <= 4:
             cos, sin, where = self._table_rows(q, positions, offset, seq_dim, seq_len)
-            return rotate_qk(q, k, cos, sin, **where, seq_dim=seq_dim, layout=self.layout, inplace=inplace,
-                             backend=self.backend)
+            out = rotate_qk(q, k, cos, sin, **where, seq_dim=seq_dim, layout=self.layout, inplace=inplace,
+                            backend=self.backend)
+            if preparable and "offsets" in where:  # by an int offset, from the cached tables
+                self._keep_prepared(q, k, offset, *given, inplace, seq_dim, cos, sin)
+            return out
         cos, sin = self._broadcast_tables(q, positions, offset, seq_dim, seq_len)
         return apply_rotary_qk(q, k, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
+
+    def _keep_prepared(self, q: torch.Tensor, k: torch.Tensor, offset: int, tensor_format: Any, seq_dim: Any,
+                       inplace: bool, axis: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Keep, under this call's signature, the prepared ``rotate_qk`` call its cold call reached.
+
+        Called after a cold call by an int offset passed every check and rotated q and k by
+        ``rotate_qk(q, k, cos, sin, offsets=offset, seq_dim=axis, ...)`` from the cached tables
+        ``cos``/``sin``; a later call of the same signature (:func:`ropekit.ops.prepared_keys.rotary_embedding`)
+        runs that call directly. A dynamic scaling rule (frequencies that follow the length) keeps nothing.
+        """
+        cached = self._tables.get(q.device)
+        if getattr(self.scaling, "dynamic", False) or cached is None or cached[0] is not cos or cached[1] is not sin:
+            return  # frequencies that follow the length, or rows computed for this call alone
+        _, run = prepared_keys.rotate_qk(q, k, cos, sin, offset, None, axis, self.layout, inplace, self.backend)
+        if run is None:
+            return
+        key = prepared_keys.rotary_embedding(self._tables, self._table_version, q, k, offset, tensor_format, seq_dim,
+                                             inplace)[0]
+        rows = min(cos.shape[0], self.max_cached_positions)
+        prepared.keep(key, run, (q, k, cos, sin), rows, q.shape[axis], q.device)
 
     def _forward_dtensor(
         self, q: Any, k: Any, positions: torch.Tensor | None, offset: Any, seq_dim: int, inplace: bool,

@@ -179,6 +179,26 @@ class Backend:
                 return self.apply_rotary_qk(q, k, cos, sin, layout=layout, conjugate=False, inplace=inplace)
         return run
 
+    def prepared_by_offset(self, tensors: tuple[Tensor, ...], *, seq_dim: int, layout: str, inplace: bool):
+        """A call ``run(*tensors, offset)`` of the by-position forms with one int offset, for tensors like these.
+
+        ``tensors`` is ``(x, cos_table, sin_table)`` (:meth:`rotate`) or ``(q, k, cos_table, sin_table)``
+        (:meth:`rotate_qk`); token ``t`` along ``seq_dim`` is rotated by row ``offset + t``.
+        ``ropekit.rotate_qk`` (and :class:`ropekit.RotaryEmbedding`) keep it for a signature that passed
+        every check, the offset checked against the tables on every call; a backend may return a
+        leaner call than this default.
+        """
+        if len(tensors) == 3:
+            def run(x, cos_table, sin_table, offset):
+                where = Positions(None, None, offset, None, None, seq_dim)
+                return self.rotate(x, cos_table, sin_table, where, layout=layout, conjugate=False, inplace=inplace)
+        else:
+            def run(q, k, cos_table, sin_table, offset):
+                where = Positions(None, None, offset, None, None, seq_dim)
+                return self.rotate_qk(q, k, cos_table, sin_table, where, layout=layout, conjugate=False,
+                                      inplace=inplace)
+        return run
+
     def __repr__(self) -> str:
         return f"<ropekit backend {self.name!r}>"
 

@@ -117,6 +117,38 @@ class CppBackend(Backend):
             return q, k
         return self._qk(q, k, cos, sin, layout == "interleaved", conjugate)
 
+    def _by_offset(self, where, *tensors) -> bool:
+        """Whether ``where`` is one int offset for every token and the kernel takes the (non-empty) tensors.
+
+        Such a call rotates by a view of the tables' rows (``rotate_offset``, ``rotate_qk_offset``):
+        no gather of rows in Python, no Python between the call and the kernel.
+        """
+        if self._ops is None:
+            self.operators()
+        return (where.positions is None and where.offsets is None and where.cu_seqlens is None
+                and all(self.takes(t) and t.numel() for t in tensors))
+
+    def rotate(self, x, cos_table, sin_table, where, *, layout, conjugate, inplace):
+        """See :class:`ropekit.ops.Backend`: one int offset runs natively, other positions gather the rows first."""
+        if not self._by_offset(where, x, cos_table, sin_table):
+            return super().rotate(x, cos_table, sin_table, where, layout=layout, conjugate=conjugate, inplace=inplace)
+        args = (cos_table, sin_table, where.offset, where.seq_dim % x.dim(), layout == "interleaved", conjugate)
+        if inplace:
+            self.module.rotate_offset_(x, *args)
+            return x
+        return self.module.rotate_offset(x, *args)
+
+    def rotate_qk(self, q, k, cos_table, sin_table, where, *, layout, conjugate, inplace):
+        """See :class:`ropekit.ops.Backend`: one int offset runs natively, other positions gather the rows first."""
+        if not self._by_offset(where, q, k, cos_table, sin_table):
+            return super().rotate_qk(q, k, cos_table, sin_table, where, layout=layout, conjugate=conjugate,
+                                     inplace=inplace)
+        args = (cos_table, sin_table, where.offset, where.seq_dim % q.dim(), layout == "interleaved", conjugate)
+        if inplace:
+            self.module.rotate_qk_offset_(q, k, *args)
+            return q, k
+        return self.module.rotate_qk_offset(q, k, *args)
+
     def _takes_all(self, *tensors) -> bool:
         """Every tensor given (None skipped) is one the kernel takes (the first ones: those it writes)."""
         if self._ops is None:
@@ -183,6 +215,35 @@ class CppBackend(Backend):
                   interleaved)
 
         return run
+
+    def prepared_by_offset(self, tensors, *, seq_dim, layout, inplace):
+        """The extension's offset function itself, bound to the options (see :class:`Backend`), for tensors it takes."""
+        if not (self.is_available() and all(self.takes(t) and t.numel() for t in tensors)):
+            return super().prepared_by_offset(tensors, seq_dim=seq_dim, layout=layout, inplace=inplace)
+        interleaved, axis = layout == "interleaved", seq_dim % tensors[0].dim()
+        if len(tensors) == 3:
+            if inplace:
+                one_ = self.module.rotate_offset_
+
+                def run(x, cos_table, sin_table, offset):
+                    one_(x, cos_table, sin_table, offset, axis, interleaved, False)
+                    return x
+
+                return run
+            one = self.module.rotate_offset
+            return lambda x, cos_table, sin_table, offset: one(x, cos_table, sin_table, offset, axis, interleaved,
+                                                               False)
+        if inplace:
+            qk_ = self.module.rotate_qk_offset_
+
+            def run_qk(q, k, cos_table, sin_table, offset):
+                qk_(q, k, cos_table, sin_table, offset, axis, interleaved, False)
+                return q, k
+
+            return run_qk
+        qk = self.module.rotate_qk_offset
+        return lambda q, k, cos_table, sin_table, offset: qk(q, k, cos_table, sin_table, offset, axis, interleaved,
+                                                             False)
 
     def prepared(self, tensors, *, layout, inplace):
         """The operator itself, bound to the options, for tensors like ``tensors`` (see :class:`Backend`)."""

@@ -7,8 +7,9 @@ holds everything the checks read, so a call found here would pass every check of
 
 A signature (built per entry point by :mod:`ropekit.ops.prepared_keys`, one flat tuple) holds:
 
-- each tensor argument's shape, strides, dtype and device (True for the CPU), and its type where a
-  ``nn.Parameter`` is accepted (``None`` for an absent optional tensor): every size and dtype
+- each tensor argument's shape, strides (True for a contiguous tensor: its shape fixes every
+  stride that addresses a second element), dtype and device (True for the CPU), and its type where
+  a ``nn.Parameter`` is accepted (``None`` for an absent optional tensor): every size and dtype
   check, the tables' batch sizes and the internal-overlap check of an in-place tensor depend on
   nothing else;
 - each option's type and value (``inplace=1`` is not ``inplace=True``), the backend's name
@@ -54,16 +55,18 @@ def extent(t: Tensor | None) -> int:
     return (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
 
-def keep(key: tuple | None, call: Callable, tensors: tuple) -> None:
+def keep(key: tuple | None, call: Callable, tensors: tuple, *limits) -> None:
     """Keep ``call`` for ``key``, a signature whose call has just passed every check.
 
-    ``tensors`` are the signature's tensors in the order its entry point unpacks their extents.
+    ``tensors`` are the signature's tensors in the order its entry point unpacks their extents;
+    ``limits`` are what its entry point checks the call's values against on every call (the
+    by-offset forms: the rows of the tables, the tokens of q).
     """
     if key is None:
         return
     if len(calls) >= PREPARED_MAX:
         calls.clear()
-    calls[key] = (call, *map(extent, tensors))
+    calls[key] = (call, *map(extent, tensors), *limits)
 
 
 def apart(written: tuple, others: tuple) -> bool:

@@ -4,7 +4,10 @@ One function per entry point builds the signature :mod:`ropekit.ops.prepared` de
 flat tuple, every attribute read written out: a decode step pays for the signature on every
 call, and a loop over the tensors, a helper per tensor or a storage lookup per argument costs
 more than the kernel call of a small step (a device is read only off the CPU: ``t.is_cpu or
-t.device``, True for every CPU tensor). Each returns ``(key, call)``:
+t.device``, True for every CPU tensor; strides only off contiguous tensors: ``t.is_contiguous()
+or t.stride()``, True for every contiguous one, whose shape then fixes every stride a check or a
+kernel depends on: the stride of an axis of size 1 addresses no second element). Each returns
+``(key, call)``:
 
 - ``(None, None)``: no shortcut; the checks run and nothing is kept (an argument given twice, a
   gradient to record, tracing, a subclass or layout without strides, or a written tensor that
@@ -39,9 +42,9 @@ def apply_rotary(x, cos, sin, layout, inplace, backend) -> tuple:
         return _COLD
     try:
         key = ("apply_rotary", layout, type(layout), inplace, type(inplace), backend, type(backend),
-               x.shape, x.stride(), x.dtype, x.is_cpu or x.device,
-               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
-               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device)
+               x.shape, x.is_contiguous() or x.stride(), x.dtype, x.is_cpu or x.device,
+               cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.is_contiguous() or sin.stride(), sin.dtype, sin.is_cpu or sin.device)
         entry = calls.get(key)
     except (RuntimeError, TypeError):  # stride() of a layout without strides; an unhashable option
         return _COLD
@@ -63,9 +66,10 @@ def apply_rotary_qk(q, k, cos, sin, layout, inplace, backend) -> tuple:
         return _COLD
     try:
         key = ("apply_rotary_qk", layout, type(layout), inplace, type(inplace), backend, type(backend),
-               q.shape, q.stride(), q.dtype, q.is_cpu or q.device, k.shape, k.stride(), k.dtype, k.is_cpu or k.device,
-               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
-               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device)
+               q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
+               k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device,
+               cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.is_contiguous() or sin.stride(), sin.dtype, sin.is_cpu or sin.device)
         entry = calls.get(key)
     except (RuntimeError, TypeError):
         return _COLD
@@ -101,12 +105,15 @@ def rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, eps, norm, layout, we
     try:
         key = ("rms_norm_rotary_qk", eps, type(eps), norm, type(norm), layout, type(layout), weight_offset,
                type(weight_offset), inplace, type(inplace), backend, type(backend),
-               q.shape, q.stride(), q.dtype, q.is_cpu or q.device, k.shape, k.stride(), k.dtype, k.is_cpu or k.device,
-               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
-               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device,
-               type(q_weight), None if no_qw else q_weight.shape, None if no_qw else q_weight.stride(),
+               q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
+               k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device,
+               cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.is_contiguous() or sin.stride(), sin.dtype, sin.is_cpu or sin.device,
+               type(q_weight), None if no_qw else q_weight.shape,
+               None if no_qw else q_weight.is_contiguous() or q_weight.stride(),
                None if no_qw else q_weight.dtype, None if no_qw else q_weight.is_cpu or q_weight.device,
-               type(k_weight), None if no_kw else k_weight.shape, None if no_kw else k_weight.stride(),
+               type(k_weight), None if no_kw else k_weight.shape,
+               None if no_kw else k_weight.is_contiguous() or k_weight.stride(),
                None if no_kw else k_weight.dtype, None if no_kw else k_weight.is_cpu or k_weight.device,
                q_weight is k_weight)
         entry = calls.get(key)
@@ -124,6 +131,39 @@ def rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, eps, norm, layout, we
                 and (pk + ek <= ps or ps + es <= pk) and (pq + eq <= pqw or pqw + eqw <= pq)
                 and (pq + eq <= pkw or pkw + ekw <= pq) and (pk + ek <= pqw or pqw + eqw <= pk)
                 and (pk + ek <= pkw or pkw + ekw <= pk)) and not apart((q, k), (cos, sin, q_weight, k_weight)):
+            return _COLD
+    return key, call
+
+
+def rms_norm_rotary(x, weight, cos, sin, eps, norm, layout, weight_offset, inplace, backend) -> tuple:
+    """``(key, call)`` of ``rms_norm_rotary``; the call takes ``(x, weight, cos, sin)``."""
+    no_w = weight is None
+    if (_is_compiling() or type(x) is not Tensor or type(cos) is not Tensor or type(sin) is not Tensor
+            or type(weight) not in _WEIGHTS or x is cos or x is sin or cos is sin
+            or weight is x or weight is cos or weight is sin
+            or (_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad
+                                     or (not no_w and weight.requires_grad)))):
+        return _COLD
+    try:
+        key = ("rms_norm_rotary", eps, type(eps), norm, type(norm), layout, type(layout), weight_offset,
+               type(weight_offset), inplace, type(inplace), backend, type(backend),
+               x.shape, x.is_contiguous() or x.stride(), x.dtype, x.is_cpu or x.device,
+               cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.is_contiguous() or sin.stride(), sin.dtype, sin.is_cpu or sin.device,
+               type(weight), None if no_w else weight.shape,
+               None if no_w else weight.is_contiguous() or weight.stride(),
+               None if no_w else weight.dtype, None if no_w else weight.is_cpu or weight.device)
+        entry = calls.get(key)
+    except (RuntimeError, TypeError):
+        return _COLD
+    if entry is None:
+        return key, None
+    call, ex, ec, es, ew = entry
+    if inplace is True:
+        px, pc, ps = x.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        pw = 0 if no_w else weight.data_ptr()
+        if not ((px + ex <= pc or pc + ec <= px) and (px + ex <= ps or ps + es <= px)
+                and (px + ex <= pw or pw + ew <= px)) and not apart((x,), (cos, sin, weight)):
             return _COLD
     return key, call
 
@@ -154,15 +194,20 @@ def rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight,
     try:
         key = ("rotate_into_cache", layout, type(layout), eps, type(eps), norm, type(norm), weight_offset,
                type(weight_offset), block_size, type(block_size), backend, type(backend),
-               k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.is_cpu or k_cache.device,
-               v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.is_cpu or v_cache.device,
-               k.shape, k.stride(), k.dtype, k.is_cpu or k.device, v.shape, v.stride(), v.dtype,
+               k_cache.shape, k_cache.is_contiguous() or k_cache.stride(), k_cache.dtype,
+               k_cache.is_cpu or k_cache.device,
+               v_cache.shape, v_cache.is_contiguous() or v_cache.stride(), v_cache.dtype,
+               v_cache.is_cpu or v_cache.device,
+               k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device,
+               v.shape, v.is_contiguous() or v.stride(), v.dtype,
                v.is_cpu or v.device,
-               cos.shape, cos.stride(), cos.dtype, cos.is_cpu or cos.device,
-               sin.shape, sin.stride(), sin.dtype, sin.is_cpu or sin.device,
-               slots_int, slots >= 0 if slots_int else slots.shape, None if slots_int else slots.stride(),
+               cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.is_contiguous() or sin.stride(), sin.dtype, sin.is_cpu or sin.device,
+               slots_int, slots >= 0 if slots_int else slots.shape,
+               None if slots_int else slots.is_contiguous() or slots.stride(),
                None if slots_int else slots.dtype, None if slots_int else slots.is_cpu or slots.device,
-               type(k_weight), None if no_kw else k_weight.shape, None if no_kw else k_weight.stride(),
+               type(k_weight), None if no_kw else k_weight.shape,
+               None if no_kw else k_weight.is_contiguous() or k_weight.stride(),
                None if no_kw else k_weight.dtype, None if no_kw else k_weight.is_cpu or k_weight.device)
         entry = calls.get(key)
     except (RuntimeError, TypeError):
@@ -184,3 +229,85 @@ def rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight,
             and not apart((k_cache, v_cache), (k, v, cos, sin, slots, k_weight)):
         return _COLD
     return key, call
+
+
+def rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layout, inplace, backend) -> tuple:
+    """``(key, call)`` of ``rotate_qk`` by one int offset; the call takes ``(q, k, cos_table, sin_table, offsets)``.
+
+    Only a call without ``positions``, ``cu_seqlens``, ``max_seqlen`` and ``head_size`` (the caller
+    asks only then) and with an int ``offsets`` has a signature. The offset's value is checked on
+    every call against the rows of the tables and the tokens of q kept with the call (both fixed
+    by the signature): a value outside them has no signature, and the checks raise.
+    """
+    if (type(offsets) is not int or _is_compiling() or type(q) is not Tensor or type(k) is not Tensor
+            or type(cos_table) is not Tensor or type(sin_table) is not Tensor or q is k or q is cos_table
+            or q is sin_table or k is cos_table or k is sin_table or cos_table is sin_table
+            or (_grad_enabled() and (q.requires_grad or k.requires_grad or cos_table.requires_grad
+                                     or sin_table.requires_grad))):
+        return _COLD
+    try:
+        key = ("rotate_qk", layout, type(layout), inplace, type(inplace), backend, type(backend), tensor_format,
+               type(tensor_format), seq_dim, type(seq_dim),
+               q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
+               k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device,
+               cos_table.shape, cos_table.is_contiguous() or cos_table.stride(), cos_table.dtype,
+               cos_table.is_cpu or cos_table.device,
+               sin_table.shape, sin_table.is_contiguous() or sin_table.stride(), sin_table.dtype,
+               sin_table.is_cpu or sin_table.device)
+        entry = calls.get(key)
+    except (RuntimeError, TypeError):
+        return _COLD
+    if entry is None:
+        return key, None
+    call, eq, ek, ec, es, rows, tokens = entry
+    if not 0 <= offsets <= rows - tokens:
+        return _COLD
+    if inplace is True:
+        pq, pk, pc, ps = q.data_ptr(), k.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr()
+        if not ((pq + eq <= pk or pk + ek <= pq) and (pq + eq <= pc or pc + ec <= pq)
+                and (pq + eq <= ps or ps + es <= pq) and (pk + ek <= pc or pc + ec <= pk)
+                and (pk + ek <= ps or ps + es <= pk)) and not apart((q, k), (cos_table, sin_table)):
+            return _COLD
+    return key, call
+
+
+_COLD_MODULE = (None, None, None, None)
+
+
+def rotary_embedding(tables, version, q, k, offset, tensor_format, seq_dim, inplace) -> tuple:
+    """``(key, call, cos_table, sin_table)`` of ``RotaryEmbedding.forward(q, k, offset=offset)`` (int offset).
+
+    The module passes its cached ``tables`` (device -> (cos, sin)) and its ``version``: a number
+    never reused, new whenever its tables change or an attribute its calls depend on is set
+    (layout, backend, head_dim, max_cached_positions, scaling). The signature holds the version,
+    q's and k's shapes, strides, dtypes and devices and the call's options. The call found is the
+    prepared call of ``rotate_qk`` that the module's cold call reached (the tables' rows the module
+    serves, q's tokens and the device are kept with it): ``call(q, k, cos_table, sin_table,
+    offset)``. The offset is checked on every call against those rows; a value outside them
+    (tables to grow, rows past ``max_cached_positions``, a negative offset) has no signature.
+    """
+    if (type(offset) is not int or _is_compiling() or type(q) is not Tensor or type(k) is not Tensor or q is k
+            or (_grad_enabled() and (q.requires_grad or k.requires_grad))):
+        return _COLD_MODULE
+    try:
+        key = ("RotaryEmbedding", version, inplace, type(inplace), tensor_format, type(tensor_format), seq_dim,
+               type(seq_dim),
+               q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
+               k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device)
+        entry = calls.get(key)
+    except (RuntimeError, TypeError):
+        return _COLD_MODULE
+    if entry is None:
+        return key, None, None, None
+    call, eq, ek, ec, es, rows, tokens, device = entry
+    cached = tables.get(device)
+    if cached is None or not 0 <= offset <= rows - tokens:
+        return _COLD_MODULE
+    cos, sin = cached
+    if inplace is True:
+        pq, pk, pc, ps = q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        if not ((pq + eq <= pk or pk + ek <= pq) and (pq + eq <= pc or pc + ec <= pq)
+                and (pq + eq <= ps or ps + es <= pq) and (pk + ek <= pc or pc + ec <= pk)
+                and (pk + ek <= ps or ps + es <= pk)) and not apart((q, k), (cos, sin)):
+            return _COLD_MODULE
+    return key, call, cos, sin

@@ -122,15 +122,71 @@ Tensor work_table(const Tensor &table, at::ScalarType work) {
     return t;
 }
 
+// The checks every job's x and out pass (shapes, dtypes, devices; unit channel strides when not empty).
+void check_x_out(const Tensor &x, const Tensor &out) {
+    TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "ropekit_cpu: x and its output must be CPU tensors");
+    TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.sizes() == out.sizes(),
+                "ropekit_cpu: the output must have x's shape and dtype");
+    TORCH_CHECK_VALUE(x.dim() >= 1, "ropekit_cpu: x needs a channel axis, got a scalar");
+    if (x.numel() == 0) return;
+    TORCH_CHECK(x.stride(-1) == 1 || x.size(-1) <= 1, "ropekit_cpu: x must have unit channel stride");
+    TORCH_CHECK(out.stride(-1) == 1 || out.size(-1) <= 1, "ropekit_cpu: out must have unit channel stride");
+}
+
+// The order of x's leading axes (dims: sizes and the strides of x, out, cos and sin) the kernel walks:
+// memory order from plan_min_bytes on (when asked for), else C order. False: more than kMaxDims axes
+// either way (the caller splits x).
+bool walk_order(const Tensor &x, const Dims &dims, bool plan, Dims &order) {
+    const int64_t bytes = x.numel() * static_cast<int64_t>(x.element_size());
+    order = visiting_order(dims, plan && bytes >= plan_min_bytes.load());
+    if (order.size() > kMaxDims) order = visiting_order(dims, false);
+    return order.size() <= kMaxDims;
+}
+
+// The job of x's rows once the order of its leading axes (walk_order, with the heads axis of a norm over
+// a token's heads already taken out into job.norm) and the tables' first elements are known: the row
+// function and the kernel's parameter block.
+void finish_job(const Tensor &x, const Tensor &out, const Dims &order, const void *cos_data, const void *sin_data,
+                int64_t h, const Tensor &cos_keep, const Tensor &sin_keep, int64_t flags, Jobs &jobs,
+                const NormSpec *norm, Job &job) {
+    const int64_t head_axis = norm ? norm->head_axis : -1;
+    const int64_t bytes = x.numel() * static_cast<int64_t>(x.element_size());
+    if (norm) {
+        // the gains the kernel reads: n of them, n = head_dim (times the heads walked inside a row)
+        TORCH_CHECK(norm->n == x.size(-1) * (head_axis >= 0 ? job.norm.heads : 1),
+                    "ropekit_cpu: the norm's gains do not fit x (a bug in ropekit)");
+        job.norm_fn = norm_function(x.scalar_type());
+        job.norm.gains = norm->gains;
+        job.norm.eps = norm->eps;
+        job.norm.n = norm->n;
+        job.norm.gain_head_stride = head_axis >= 0 ? x.size(-1) : 0;
+        if (head_axis < 0) job.norm.heads = 1;
+    } else {
+        job.fn = row_function(x.scalar_type());
+    }
+    job.x = x.data_ptr();
+    job.out = out.data_ptr();
+    job.cos = cos_data;
+    job.sin = sin_data;
+    job.x_keep = x;
+    job.cos_keep = cos_keep;
+    job.sin_keep = sin_keep;
+    job.rows = x.numel() / x.size(-1) / (head_axis >= 0 ? job.norm.heads : 1);
+    job.bytes = bytes;
+    const int64_t n = static_cast<int64_t>(order.size());
+    job.params = {n, h, x.size(-1), flags, 1, 1, 1, 1};
+    for (const Dim &d : order) job.params.push_back(d.size);
+    for (int k = 0; k < 4; k++)
+        for (const Dim &d : order) job.params.push_back(d.stride[k]);
+    jobs.push_back(std::move(job));
+}
+
 // Append the jobs rotating x into out (out may be x; with norm, normalising first). More than
 // kMaxDims leading axes that do not merge: one job per index of the first axis.
 void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Tensor &sin_in, int64_t flags,
               Jobs &jobs, const NormSpec *norm = nullptr, bool plan = true) {
-    TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && cos_in.device().is_cpu() && sin_in.device().is_cpu(),
-                "ropekit_cpu: x, its output and the tables must be CPU tensors");
-    TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.sizes() == out.sizes(),
-                "ropekit_cpu: the output must have x's shape and dtype");
-    TORCH_CHECK_VALUE(x.dim() >= 1, "ropekit_cpu: x needs a channel axis, got a scalar");
+    check_x_out(x, out);
+    TORCH_CHECK(cos_in.device().is_cpu() && sin_in.device().is_cpu(), "ropekit_cpu: the tables must be CPU tensors");
     TORCH_CHECK_VALUE(cos_in.dim() >= 1 && cos_in.dim() <= x.dim() && sin_in.sizes() == cos_in.sizes(),
                       "ropekit_cpu: cos/sin of shape ", cos_in.sizes(), " and ", sin_in.sizes(), " do not fit x ",
                       x.sizes());
@@ -143,8 +199,6 @@ void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Te
                           cos_in.sizes(), " do not broadcast to x ", x.sizes());
     }
     if (x.numel() == 0) return;  // nothing read or written: any strides
-    TORCH_CHECK(x.stride(-1) == 1 || x.size(-1) <= 1, "ropekit_cpu: x must have unit channel stride");
-    TORCH_CHECK(out.stride(-1) == 1 || out.size(-1) <= 1, "ropekit_cpu: out must have unit channel stride");
     const at::ScalarType work = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     const Tensor cos = work_table(cos_in, work), sin = work_table(sin_in, work);
     const int64_t lead = x.dim() - 1, shift = x.dim() - cos.dim();
@@ -167,10 +221,8 @@ void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Te
         }
         dims.push_back(dim);
     }
-    const int64_t bytes = x.numel() * static_cast<int64_t>(x.element_size());
-    Dims order = visiting_order(dims, plan && bytes >= plan_min_bytes.load());
-    if (order.size() > kMaxDims) order = visiting_order(dims, false);
-    if (order.size() > kMaxDims) {
+    Dims order;
+    if (!walk_order(x, dims, plan, order)) {  // too many axes: one job per index of the first axis
         TORCH_CHECK(head_axis != 0, "ropekit_cpu: too many leading axes around the heads axis");
         NormSpec inner;
         if (norm) inner = {norm->gains, norm->n, norm->eps, head_axis < 0 ? -1 : head_axis - 1};
@@ -182,34 +234,54 @@ void add_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_in, const Te
         }
         return;
     }
-    if (norm) {
-        // the gains the kernel reads: n of them, n = head_dim (times the heads walked inside a row)
-        TORCH_CHECK(norm->n == x.size(-1) * (head_axis >= 0 ? job.norm.heads : 1),
-                    "ropekit_cpu: the norm's gains do not fit x (a bug in ropekit)");
-        job.norm_fn = norm_function(x.scalar_type());
-        job.norm.gains = norm->gains;
-        job.norm.eps = norm->eps;
-        job.norm.n = norm->n;
-        job.norm.gain_head_stride = head_axis >= 0 ? x.size(-1) : 0;
-        if (head_axis < 0) job.norm.heads = 1;
-    } else {
-        job.fn = row_function(x.scalar_type());
+    finish_job(x, out, order, cos.data_ptr(), sin.data_ptr(), cos.size(-1), cos, sin, flags, jobs, norm, job);
+}
+
+// Append the job rotating x into out by rows [offset, offset + tokens) of full (max_positions, h) tables,
+// token t along seq_axis by row offset + t: the tables' rows described to the kernel as they lie (a
+// stride along seq_axis, 0 elsewhere), no tensor made for them unless they need converting.
+void add_offset_jobs(const Tensor &x, const Tensor &out, const Tensor &cos_table, const Tensor &sin_table,
+                     int64_t offset, int64_t seq_axis, int64_t flags, Jobs &jobs) {
+    check_x_out(x, out);
+    TORCH_CHECK(cos_table.device().is_cpu() && sin_table.device().is_cpu(),
+                "ropekit_cpu: the tables must be CPU tensors");
+    TORCH_CHECK_VALUE(x.dim() >= 2 && x.dim() - 1 <= static_cast<int64_t>(kMaxDims) && seq_axis >= 0 &&
+                      seq_axis < x.dim() - 1, "ropekit_cpu: seq_axis ", seq_axis, " is not a leading axis of x ",
+                      x.sizes());
+    TORCH_CHECK_VALUE(cos_table.dim() == 2 && sin_table.sizes() == cos_table.sizes(),
+                      "ropekit_cpu: the tables must be (max_positions, rotary_dim / 2), got ", cos_table.sizes(),
+                      " and ", sin_table.sizes());
+    TORCH_CHECK_VALUE(cos_table.size(1) <= x.size(-1) / 2, "ropekit_cpu: rotary_dim 2 * ", cos_table.size(1),
+                      " exceeds head_dim ", x.size(-1));
+    const int64_t tokens = x.size(seq_axis);
+    TORCH_CHECK_VALUE(offset >= 0 && offset <= cos_table.size(0) - tokens, "ropekit_cpu: rows [", offset, ", ",
+                      offset, " + ", tokens, ") lie outside tables of ", cos_table.size(0), " rows");
+    if (x.numel() == 0) return;
+    const at::ScalarType work = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    Tensor cos = cos_table, sin = sin_table;
+    int64_t first = offset;
+    if (cos.scalar_type() != work || sin.scalar_type() != work || (cos.size(1) > 1 && cos.stride(1) != 1) ||
+        (sin.size(1) > 1 && sin.stride(1) != 1)) {  // only the rows used are converted
+        cos = work_table(cos.narrow(0, offset, tokens), work);
+        sin = work_table(sin.narrow(0, offset, tokens), work);
+        first = 0;
     }
-    job.x = x.data_ptr();
-    job.out = out.data_ptr();
-    job.cos = cos.data_ptr();
-    job.sin = sin.data_ptr();
-    job.x_keep = x;
-    job.cos_keep = cos;
-    job.sin_keep = sin;
-    job.rows = x.numel() / x.size(-1) / (head_axis >= 0 ? job.norm.heads : 1);
-    job.bytes = bytes;
-    const int64_t n = static_cast<int64_t>(order.size());
-    job.params = {n, cos.size(-1), x.size(-1), flags, 1, 1, 1, 1};
-    for (const Dim &d : order) job.params.push_back(d.size);
-    for (int k = 0; k < 4; k++)
-        for (const Dim &d : order) job.params.push_back(d.stride[k]);
-    jobs.push_back(std::move(job));
+    Dims dims;
+    for (int64_t d = 0; d < x.dim() - 1; d++) {
+        Dim dim{x.size(d), {x.stride(d), out.stride(d), 0, 0}};
+        if (d == seq_axis && tokens != 1) {
+            dim.stride[2] = cos.stride(0);
+            dim.stride[3] = sin.stride(0);
+        }
+        dims.push_back(dim);
+    }
+    const int64_t element = static_cast<int64_t>(cos.element_size());
+    const char *cos_data = static_cast<const char *>(cos.data_ptr()) + first * cos.stride(0) * element;
+    const char *sin_data = static_cast<const char *>(sin.data_ptr()) + first * sin.stride(0) * element;
+    Dims order;
+    TORCH_CHECK(walk_order(x, dims, true, order), "ropekit_cpu: too many leading axes (a bug in ropekit)");
+    Job job;
+    finish_job(x, out, order, cos_data, sin_data, cos.size(1), cos, sin, flags, jobs, nullptr, job);
 }
 
 // Run rows [begin, end) of one job.
@@ -273,7 +345,11 @@ std::atomic<int64_t> populate_min_bytes{int64_t(4) << 20};
 std::atomic<int64_t> populated_bytes_total{0};  // bytes populated so far (a test hook reads it)
 
 Tensor fresh_output(const Tensor &like) {
-    Tensor out = at::empty_like(like);
+    // a dense x: its strides, allocated directly (what empty_like gives it, without the dispatcher, which
+    // costs more than the rest of a small decode step's allocation); any other x: empty_like's dense strides
+    Tensor out = like.is_non_overlapping_and_dense()
+                     ? Tensor(at::detail::empty_strided_cpu(like.sizes(), like.strides(), like.scalar_type()))
+                     : at::empty_like(like);
 #ifdef __linux__
     const int64_t bytes = out.numel() * static_cast<int64_t>(out.element_size());
     if (bytes < populate_min_bytes.load() || !out.is_contiguous()) return out;

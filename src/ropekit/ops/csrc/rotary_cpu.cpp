@@ -7,6 +7,9 @@
 //   apply_rotary_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> ()
 //   apply_rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> (Tensor, Tensor)
 //   apply_rotary_qk_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool interleaved, bool conjugate) -> ()
+//   rotate_offset(Tensor x, Tensor cos_table, Tensor sin_table, int offset, int seq_axis, bool interleaved,
+//                 bool conjugate) -> Tensor, and rotate_offset_, rotate_qk_offset, rotate_qk_offset_: by
+//                 position, token t (along seq_axis) rotated by row offset + t of full tables, read in place
 //   and the fused forms of fused_cpu.h (RMSNorm + rotation, its backward, rotation into a KV cache)
 //
 // x (q, k): (..., head_dim) CPU tensors of float32/float64/bfloat16/float16, any strides.
@@ -27,6 +30,7 @@
 #include <torch/csrc/utils/pybind.h>  // first: it includes Python.h
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
@@ -37,8 +41,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <memory>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #ifdef __linux__
@@ -84,7 +90,15 @@ std::tuple<Tensor, Tensor> apply_rotary_qk(const Tensor &q, const Tensor &k, con
     return {q_out, k_out};
 }
 
-// In place: tensors with strided channels go through a contiguous copy, written back.
+// In place: tensors with strided channels went through a contiguous copy, written back here.
+void write_back(std::initializer_list<std::pair<Tensor, Tensor>> targets_and_work) {
+    for (const auto &[target, work] : targets_and_work) {
+        if (!target.defined()) continue;
+        if (!work.is_same(target)) target.copy_(work);
+        target.unsafeGetTensorImpl()->bump_version();  // what torch's in-place ops do: autograd sees the change
+    }
+}
+
 void apply_rotary_qk_(const Tensor &q, const Tensor &k, const Tensor &cos, const Tensor &sin, bool interleaved,
                       bool conjugate) {
     const int64_t flags = flags_of(interleaved, conjugate, false);
@@ -93,15 +107,55 @@ void apply_rotary_qk_(const Tensor &q, const Tensor &k, const Tensor &cos, const
     add_jobs(q_work, q_work, cos, sin, flags, jobs);
     if (k.defined()) add_jobs(k_work, k_work, cos, sin, flags, jobs);
     run_jobs(jobs);
-    for (const auto &[target, work] : {std::pair<Tensor, Tensor>{q, q_work}, std::pair<Tensor, Tensor>{k, k_work}}) {
-        if (!target.defined()) continue;
-        if (!work.is_same(target)) target.copy_(work);
-        target.unsafeGetTensorImpl()->bump_version();  // what torch's in-place ops do: autograd sees the change
-    }
+    write_back({{q, q_work}, {k, k_work}});
 }
 
 void apply_rotary_(const Tensor &x, const Tensor &cos, const Tensor &sin, bool interleaved, bool conjugate) {
     apply_rotary_qk_(x, Tensor(), cos, sin, interleaved, conjugate);
+}
+
+// By position with one int offset: token t (along seq_axis) is rotated by row offset + t of the full
+// (max_positions, rotary_dim / 2) tables, which the job reads where they lie (add_offset_jobs): the
+// broadcast kernels above with no gather, no view of the rows and no Python between (a decode step by
+// offset: RotaryEmbedding's, rotate_qk's). The caller has checked the offset against the tables; the
+// checks here guard the memory accesses.
+Tensor rotate_offset(const Tensor &x, const Tensor &cos_table, const Tensor &sin_table, int64_t offset,
+                     int64_t seq_axis, bool interleaved, bool conjugate) {
+    const Tensor x_in = unit_channels(x);
+    Tensor out = fresh_output(x_in);
+    Jobs jobs;
+    add_offset_jobs(x_in, out, cos_table, sin_table, offset, seq_axis, flags_of(interleaved, conjugate, true), jobs);
+    run_jobs(jobs);
+    return out;
+}
+
+std::tuple<Tensor, Tensor> rotate_qk_offset(const Tensor &q, const Tensor &k, const Tensor &cos_table,
+                                            const Tensor &sin_table, int64_t offset, int64_t seq_axis,
+                                            bool interleaved, bool conjugate) {
+    const Tensor q_in = unit_channels(q), k_in = unit_channels(k);
+    Tensor q_out = fresh_output(q_in), k_out = fresh_output(k_in);
+    const int64_t flags = flags_of(interleaved, conjugate, true);
+    Jobs jobs;
+    add_offset_jobs(q_in, q_out, cos_table, sin_table, offset, seq_axis, flags, jobs);
+    add_offset_jobs(k_in, k_out, cos_table, sin_table, offset, seq_axis, flags, jobs);
+    run_jobs(jobs);
+    return {q_out, k_out};
+}
+
+void rotate_qk_offset_(const Tensor &q, const Tensor &k, const Tensor &cos_table, const Tensor &sin_table,
+                       int64_t offset, int64_t seq_axis, bool interleaved, bool conjugate) {
+    const int64_t flags = flags_of(interleaved, conjugate, false);
+    const Tensor q_work = unit_channels(q), k_work = k.defined() ? unit_channels(k) : k;
+    Jobs jobs;
+    add_offset_jobs(q_work, q_work, cos_table, sin_table, offset, seq_axis, flags, jobs);
+    if (k.defined()) add_offset_jobs(k_work, k_work, cos_table, sin_table, offset, seq_axis, flags, jobs);
+    run_jobs(jobs);
+    write_back({{q, q_work}, {k, k_work}});
+}
+
+void rotate_offset_(const Tensor &x, const Tensor &cos_table, const Tensor &sin_table, int64_t offset,
+                    int64_t seq_axis, bool interleaved, bool conjugate) {
+    rotate_qk_offset_(x, Tensor(), cos_table, sin_table, offset, seq_axis, interleaved, conjugate);
 }
 
 // Test hooks: the thresholds (returns the previous ones; -1 keeps a value), the bytes of fresh
@@ -144,6 +198,14 @@ ROPEKIT_LIBRARY(ROPEKIT_CPU_NAMESPACE, m) {
           " -> (Tensor, Tensor)");
     m.def("apply_rotary_qk_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool interleaved, bool conjugate)"
           " -> ()");
+    m.def("rotate_offset(Tensor x, Tensor cos_table, Tensor sin_table, int offset, int seq_axis, bool interleaved, "
+          "bool conjugate) -> Tensor");
+    m.def("rotate_offset_(Tensor(a!) x, Tensor cos_table, Tensor sin_table, int offset, int seq_axis, "
+          "bool interleaved, bool conjugate) -> ()");
+    m.def("rotate_qk_offset(Tensor q, Tensor k, Tensor cos_table, Tensor sin_table, int offset, int seq_axis, "
+          "bool interleaved, bool conjugate) -> (Tensor, Tensor)");
+    m.def("rotate_qk_offset_(Tensor(a!) q, Tensor(b!) k, Tensor cos_table, Tensor sin_table, int offset, "
+          "int seq_axis, bool interleaved, bool conjugate) -> ()");
     m.def("rms_norm_rotary(Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps, float weight_offset, "
           "bool per_token, bool interleaved) -> Tensor");
     m.def("rms_norm_rotary_(Tensor(a!) x, Tensor? weight, Tensor cos, Tensor sin, float eps, float weight_offset, "
@@ -165,6 +227,10 @@ ROPEKIT_LIBRARY(ROPEKIT_CPU_NAMESPACE, m) {
 }
 
 ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, CPU, m) {
+    m.impl("rotate_offset", &rotate_offset);
+    m.impl("rotate_offset_", &rotate_offset_);
+    m.impl("rotate_qk_offset", &rotate_qk_offset);
+    m.impl("rotate_qk_offset_", &rotate_qk_offset_);
     m.impl("apply_rotary", &apply_rotary);
     m.impl("apply_rotary_", &apply_rotary_);
     m.impl("apply_rotary_qk", &apply_rotary_qk);
@@ -181,6 +247,10 @@ ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, CPU, m) {
 // ropekit::apply_rotary* operators above them carry the autograd), so a call goes straight to the
 // kernel instead of through torch's not-implemented fallback; in-place versions are bumped here.
 ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, AutogradCPU, m) {
+    m.impl("rotate_offset", &rotate_offset);
+    m.impl("rotate_offset_", &rotate_offset_);
+    m.impl("rotate_qk_offset", &rotate_qk_offset);
+    m.impl("rotate_qk_offset_", &rotate_qk_offset_);
     m.impl("apply_rotary", &apply_rotary);
     m.impl("apply_rotary_", &apply_rotary_);
     m.impl("apply_rotary_qk", &apply_rotary_qk);
@@ -202,6 +272,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("apply_rotary_", &apply_rotary_, release);
     m.def("apply_rotary_qk", &apply_rotary_qk, release);
     m.def("apply_rotary_qk_", &apply_rotary_qk_, release);
+    m.def("rotate_offset", &rotate_offset, release);
+    m.def("rotate_offset_", &rotate_offset_, release);
+    m.def("rotate_qk_offset", &rotate_qk_offset, release);
+    m.def("rotate_qk_offset_", &rotate_qk_offset_, release);
     m.def("rms_norm_rotary", &rms_norm_rotary, release);
     m.def("rms_norm_rotary_", &rms_norm_rotary_, release);
     m.def("rms_norm_rotary_qk", &rms_norm_rotary_qk, release);
