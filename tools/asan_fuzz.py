@@ -259,7 +259,7 @@ class Fuzzer:
         interleaved, per_token = rng.random() < 0.5, rng.random() < 0.5
         form = rng.choice(("rms_norm_rotary", "rms_norm_rotary_", "rms_norm_rotary_qk", "rms_norm_rotary_qk_",
                            "rms_norm_rotary_backward"))
-        pair = "pair" in form
+        pair = form.startswith("rms_norm_rotary_qk")
         shape = self.shape(rng.randint(2, 5), head_dim)
         wshape = shape[-2:] if per_token else shape[-1:]
         x = self.strided(shape, dtype)
