@@ -75,17 +75,22 @@ def mutate(monkeypatch, names, mutation):
         monkeypatch.setattr(integ, name, mutation(getattr(integ, name)))
 
 
-def plain_mismatch(monkeypatch, names, mutation, family="llama"):
-    """The float32 comparison of test_integration_transformers, with the patched model mutated."""
-    model = plain.tiny(family)
-    ref = plain.logits(model, plain.IDS)
+def patched_run(monkeypatch, model, names, mutation, run):
+    """``run()`` on ``model`` patched by ropekit with ``names`` mutated; the model is unpatched after."""
     with monkeypatch.context() as m:
         mutate(m, names, mutation)
         patch(model)
         try:
-            out = plain.logits(model, plain.IDS)
+            return run()
         finally:
             unpatch(model)
+
+
+def plain_mismatch(monkeypatch, names, mutation, family="llama"):
+    """The float32 comparison of test_integration_transformers, with the patched model mutated."""
+    model = plain.tiny(family)
+    ref = plain.logits(model, plain.IDS)
+    out = patched_run(monkeypatch, model, names, mutation, lambda: plain.logits(model, plain.IDS))
     return logits_mismatch(out, ref)
 
 
@@ -108,13 +113,7 @@ def test_fused_comparison_detects_each_mutation(monkeypatch, mutation):
     names, mutate_fn = MUTATIONS[mutation]
     model = fused.tiny("qwen3")
     ref, _ = fused.run(model)
-    with monkeypatch.context() as m:
-        mutate(m, names, mutate_fn)
-        patch(model)
-        try:
-            out, _ = fused.run(model)
-        finally:
-            unpatch(model)
+    out = patched_run(monkeypatch, model, names, mutate_fn, lambda: fused.run(model)[0])
     assert logits_mismatch(out, ref) is not None, f"{mutation} went unnoticed"
 
 
@@ -129,13 +128,7 @@ def test_bfloat16_comparison_detects_each_mutation(monkeypatch, mutation):
     model = plain.sharp(plain.tiny("qwen2")).to(torch.bfloat16)
     exact = plain.logits(plain.sharp(plain.tiny("qwen2")).to(torch.bfloat16).float(), plain.IDS)
     ref = plain.logits(model, plain.IDS)
-    with monkeypatch.context() as m:
-        mutate(m, names, mutate_fn)
-        patch(model)
-        try:
-            out = plain.logits(model, plain.IDS)
-        finally:
-            unpatch(model)
+    out = patched_run(monkeypatch, model, names, mutate_fn, lambda: plain.logits(model, plain.IDS))
     assert bfloat16_mismatch(out, ref, exact) is not None, f"{mutation} went unnoticed in bfloat16"
 
 
@@ -146,13 +139,7 @@ def test_fused_bfloat16_comparison_detects_each_mutation(monkeypatch, mutation):
     model = fused.tiny("qwen3", torch.bfloat16)
     exact, _ = fused.run(fused.tiny("qwen3", torch.bfloat16).float())
     ref, _ = fused.run(model)
-    with monkeypatch.context() as m:
-        mutate(m, names, mutate_fn)
-        patch(model)
-        try:
-            out, _ = fused.run(model)
-        finally:
-            unpatch(model)
+    out = patched_run(monkeypatch, model, names, mutate_fn, lambda: fused.run(model)[0])
     assert bfloat16_mismatch(out, ref, exact) is not None, f"{mutation} went unnoticed in bfloat16"
 
 
