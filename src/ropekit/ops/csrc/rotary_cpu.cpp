@@ -226,7 +226,8 @@ ROPEKIT_LIBRARY(ROPEKIT_CPU_NAMESPACE, m) {
           &plan_rows);
 }
 
-ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, CPU, m) {
+// The kernels, registered at the CPU key and, below, at the autograd key.
+static void impl_kernels(torch::Library& m) {
     m.impl("rotate_offset", &rotate_offset);
     m.impl("rotate_offset_", &rotate_offset_);
     m.impl("rotate_qk_offset", &rotate_qk_offset);
@@ -243,25 +244,12 @@ ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, CPU, m) {
     m.impl("rotate_into_cache", &rotate_into_cache);
 }
 
+ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, CPU, m) { impl_kernels(m); }
+
 // The same kernels at the autograd key: these operators are not differentiable themselves (the
 // ropekit::apply_rotary* operators above them carry the autograd), so a call goes straight to the
 // kernel instead of through torch's not-implemented fallback; in-place versions are bumped here.
-ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, AutogradCPU, m) {
-    m.impl("rotate_offset", &rotate_offset);
-    m.impl("rotate_offset_", &rotate_offset_);
-    m.impl("rotate_qk_offset", &rotate_qk_offset);
-    m.impl("rotate_qk_offset_", &rotate_qk_offset_);
-    m.impl("apply_rotary", &apply_rotary);
-    m.impl("apply_rotary_", &apply_rotary_);
-    m.impl("apply_rotary_qk", &apply_rotary_qk);
-    m.impl("apply_rotary_qk_", &apply_rotary_qk_);
-    m.impl("rms_norm_rotary", &rms_norm_rotary);
-    m.impl("rms_norm_rotary_", &rms_norm_rotary_);
-    m.impl("rms_norm_rotary_qk", &rms_norm_rotary_qk);
-    m.impl("rms_norm_rotary_qk_", &rms_norm_rotary_qk_);
-    m.impl("rms_norm_rotary_backward", &rms_norm_rotary_backward);
-    m.impl("rotate_into_cache", &rotate_into_cache);
-}
+ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, AutogradCPU, m) { impl_kernels(m); }
 
 // The kernels as Python functions (see the top of the file), the GIL released while they run
 // (as the dispatcher does for operators called from Python).
