@@ -60,4 +60,4 @@ def speed_section(rows: list[dict[str, Any]]) -> str:
                        "<b>flag</b> (a row's own reason shows when you point at its flag):") if flags else ""))
     meanings = [(header, esc(meaning)) for header, meaning in columns]
     text = [i for i, (header, _) in enumerate(columns) if header in ("impl", "flag")]
-    return intro + table(meanings, body, name="speed", text_columns=text, wide=True) + after
+    return intro + table(meanings, body, name="speed", text_columns=text, stack="tablet") + after
