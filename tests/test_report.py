@@ -243,8 +243,9 @@ def test_bench_section_when_the_module_is_missing_or_fails(monkeypatch):
 def bench_row(impl, **values):
     """A row as ``ropekit_lab.bench.run`` returns it, with made-up numbers."""
     row = {"shape": "tiny", "dims": [1, 2, 2, 8, 16], "dtype": "float32", "device": "cpu", "impl": impl,
-           "mode": "out-of-place", "ms": 1.0, "min_ms": 0.9, "spread_pct": 2.0, "bytes": 8 << 20, "gbps": 8.4,
-           "ratio_copy": 1.0, "ratio_hf": 3.0, "saved_mb": None, "peak_mb": None, "flags": [], "note": None}
+           "mode": "out-of-place", "ms": 1.0, "error_pct": 1.0, "median_ms": 1.1, "min_ms": 0.9, "spread_pct": 2.0,
+           "repeats": 12, "bytes": 8 << 20, "gbps": 8.4, "ratio_copy": 1.0, "ratio_hf": 3.0, "saved_mb": None,
+           "peak_mb": None, "flags": [], "note": None, "load_avg": 0.5, "cores": 2, "budget_s": 6.0, "used_s": 1.5}
     row.update(values)
     if row["flags"]:
         row["note"] = f"why {impl} is flagged"
@@ -296,11 +297,13 @@ def test_the_speed_table_explains_dims_every_implementation_and_mode(reports):
 
 
 def test_flagged_rows_show_their_flag_and_what_it_means():
-    rows = [bench_row("copy (x.clone)", spread_pct=40.0, flags=["noisy"]),
+    rows = [bench_row("copy (x.clone)", error_pct=40.0, flags=["noisy"]),
             bench_row("cpu", ratio_copy=2.4, flags=["noisy", "beats floor"]),
-            bench_row("torch", ratio_copy=0.6)]
+            bench_row("torch", ratio_copy=0.6), bench_row("torch", ratio_copy=0.6, mode="in-place"),
+            bench_row("cpu", mode="in-place"), bench_row("transformers eager")]
     text = report_speed.speed_section(rows)
-    assert "<b>2 of 3 rows are flagged</b>" in text
+    assert "<b>2 of 6 rows are flagged</b>" in text and "notice" not in text
+    assert "1.5 s used" in text and "2 of 6 rows still noisy" in text  # how the rows were measured
     cells = re.findall(r'<span class="warn" title="([^"]*)">([^<]*)</span>', text)
     assert cells == [("why copy (x.clone) is flagged", "noisy"), ("why cpu is flagged", "noisy, beats floor")]
     explained = legends(text)
@@ -311,6 +314,17 @@ def test_flagged_rows_show_their_flag_and_what_it_means():
 
     quiet = report_speed.speed_section([bench_row("cpu", peak_mb=12.5)])
     assert "No row is flagged" in quiet and "speed-flag-legend" not in quiet and "<th>peak MiB</th>" in quiet
+
+
+def test_a_machine_too_busy_to_measure_is_said_once_at_the_top_of_the_speed_section():
+    rows = [bench_row("copy (x.clone)", error_pct=40.0, flags=["noisy"]),
+            bench_row("cpu", ratio_copy=2.4, flags=["noisy", "beats floor"]), bench_row("torch", ratio_copy=0.6)]
+    text = report_speed.speed_section(rows)
+    notice = html.escape(bench_rows.busy_notice(rows))
+    assert text.startswith(f'<p class="notice"><b>{notice}</b></p>') and text.count("too busy") == 1
+    cells = re.findall(r'<span class="warn" title="([^"]*)">([^<]*)</span>', text)
+    assert cells == [("why cpu is flagged", "beats floor")]  # no row is flagged noisy; the other flag stays
+    assert legends(text)["speed-flag-legend"] == ["beats floor"] and "<b>1 of 3 rows are flagged</b>" in text
 
 
 def test_a_table_without_columns_must_explain_its_rows():

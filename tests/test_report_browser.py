@@ -26,19 +26,29 @@ browser = browser_harness.browser
 
 
 def widest_bench_rows() -> list[dict]:
-    """The real quick benchmark plus the widest rows a CUDA run adds (flags, Liger, compile, peak memory)."""
-    rows = bench.run(quick=True)
+    """The real quick benchmark plus the widest rows a CUDA run adds (flags, Liger, compile, peak memory).
+
+    The real rows lose their ``noisy`` flags and their load average, so that the table shows every
+    row's flags whatever the machine is doing now (a busy notice would take their place):
+    :func:`busy` makes the same rows too busy to measure.
+    """
+    rows = [dict(row, flags=[f for f in row["flags"] if f != "noisy"], load_avg=0.0) for row in bench.run(quick=True)]
     template = dict(rows[0], device="cuda", dtype="bfloat16", ms=123456.789, min_ms=0.00123, spread_pct=987.6,
-                    gbps=1234.5, ratio_copy=7.0123, ratio_hf=1234.5, saved_mb=12345.6, peak_mb=12345.6,
-                    flags=["noisy", "beats floor"], note="a made-up row as wide as any")
+                    error_pct=98.7, gbps=1234.5, ratio_copy=7.0123, ratio_hf=1234.5, saved_mb=12345.6,
+                    peak_mb=12345.6, flags=["noisy", "beats floor"], note="a made-up row as wide as any")
     return rows + [dict(template, impl=impl, mode=mode) for impl, mode in (
         ("liger-kernel", "in-place"), ("transformers + torch.compile", "out-of-place"), ("triton", "fwd+bwd"))]
+
+
+def busy(rows: list[dict]) -> list[dict]:
+    """The same rows measured with a load average far above the cores: the speed section opens with a notice."""
+    return [dict(row, load_avg=99.0) for row in rows]
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> dict[str, tuple[Path, dict[str, float]]]:
     """``{name: (index.html, {png name: its smallest text in px})}`` of the default report and a scaled
-    preset's, sharing one benchmark run."""
+    preset's, sharing one benchmark run (the second too busy to measure)."""
     rows = widest_bench_rows()
     root, out, text_px = tmp_path_factory.mktemp("browser"), {}, {}
 
@@ -52,8 +62,8 @@ def reports(tmp_path_factory) -> dict[str, tuple[Path, dict[str, float]]]:
     with pytest.MonkeyPatch.context() as patch:
         for module in (figures, figures_2d):
             patch.setattr(module, "png_bytes", recording(module.png_bytes))
-        patch.setattr(report_module, "_bench_rows", lambda: (rows, None))
-        for name in ("default", "llama-3.1"):
+        for name, speed in (("default", rows), ("llama-3.1", busy(rows))):
+            patch.setattr(report_module, "_bench_rows", lambda speed=speed: (speed, None))
             config, label = load_config(None, name, None)
             report_module.write_report(root / name, config, label, quick=True)
             out[name] = (root / name / "index.html",
@@ -66,6 +76,7 @@ def reports(tmp_path_factory) -> dict[str, tuple[Path, dict[str, float]]]:
 def test_report_fits_the_screen_and_every_image_loads(browser, reports, name, width):
     index, text_px = reports[name]
     assert_fits(measure(browser, index, width), width, tables=6, images=8, text_px=text_px)
+    assert ('class="notice"' in index.read_text(encoding="utf-8")) == (name == "llama-3.1")
 
 
 def small_figure(path: Path) -> float:

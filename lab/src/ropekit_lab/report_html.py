@@ -52,6 +52,7 @@ dl.legend{font-size:.86rem;color:var(--muted);margin:.4rem 0 .2rem}
 dl.legend div{margin:.1rem 0}dl.legend dt{display:inline;font-weight:600;color:var(--fg)}
 dl.legend dt::after{content:": "}dl.legend dd{display:inline;margin:0}
 .ok{color:var(--ok);font-weight:600}.bad{color:var(--bad);font-weight:600}.warn{color:var(--warn);font-weight:600}
+p.notice{border-left:3px solid var(--warn);padding:.3rem .7rem;background:var(--code)}
 code{background:var(--code);padding:0 .25rem;border-radius:3px;font-size:.88em}
 nav ol{columns:2;padding-left:1.4rem;margin:.3rem 0}
 details{margin:.5rem 0}summary{cursor:pointer;color:var(--muted)}
