@@ -6,10 +6,17 @@ What counts as a defect (:func:`assert_fits`):
 
 - an element or a line of text that reaches past the left or right edge of the page, unless it
   sits inside a box that clips it (``overflow-x`` other than ``visible``);
-- a clipping box whose content is wider than the box: text cut off, or a table behind a scrollbar.
-  Only a table declared inherently wide (``div.scroll.wide``) may scroll sideways, only with
-  ``overflow-x: auto`` and only on a narrow screen; at 1280 px every table fits;
-- an image that did not load (``naturalWidth`` 0).
+- a clipping box whose content is wider than the box: text cut off, or a table behind a scrollbar;
+- a table cell cut or out of sight when the page opens: its content wider than the cell, the
+  cell hidden (``display``, ``visibility``, no size) while it holds text, or reaching past the
+  visible part of a box that clips it (a column behind a scroll box's edge, a number cut
+  mid-digit); and a table wider than the page that is not alone in its own box with
+  ``overflow-x: auto``;
+- an image that did not load (``naturalWidth`` 0), or that is drawn more than
+  :data:`MAX_UPSCALE` times its natural width in device pixels (blurry, its text oversized);
+- a figure whose smallest text, at the size the page draws the image, is under
+  :data:`MIN_TEXT_PX` CSS pixels (given the text's size in the PNG, which only the page's
+  author knows: :func:`smallest_text_px` reads it off a matplotlib figure).
 
 Collapsed ``<details>`` are opened first, so the tables in them are measured too. Use the
 fixture in a test module with ``browser = browser_harness.browser``.
@@ -25,7 +32,9 @@ from pathlib import Path
 
 import pytest
 
-WIDTHS = (390, 1280)
+WIDTHS = (390, 768, 1280)  # a phone, a tablet, a desktop
+MAX_UPSCALE = 1.25  # drawn width (device px) / natural width of an image
+MIN_TEXT_PX = 9.0  # the smallest figure text a reader is asked to read, in CSS px
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 CHROMIUM_PATHS = ("/usr/bin/chromium", "/usr/lib/chromium/chromium", "/snap/bin/chromium")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -53,8 +62,8 @@ MEASURE = r"""
     const r = el.getBoundingClientRect();
     if (r.width === 0 && r.height === 0) continue;
     if (clips(el) && el.scrollWidth > el.clientWidth + 1) {
-      clipped.push({path: path(el), wide: el.classList.contains("wide"), overflow_x: getComputedStyle(el).overflowX,
-                    scroll_width: el.scrollWidth, client_width: el.clientWidth});
+      clipped.push({path: path(el), overflow_x: getComputedStyle(el).overflowX, scroll_width: el.scrollWidth,
+                    client_width: el.clientWidth});
     }
     if (!clipper(el.parentElement) && outside(r)) {
       overflow.push({path: path(el), left: r.left, right: r.right, text: el.textContent.trim().slice(0, 80)});
@@ -69,10 +78,46 @@ MEASURE = r"""
     if (rect) overflow.push({path: path(node.parentElement) + " > #text", left: rect.left, right: rect.right,
                              text: node.textContent.trim().slice(0, 80)});
   }
-  const images = [...document.images].map(img => ({src: img.getAttribute("src"), complete: img.complete,
-    natural_width: img.naturalWidth, width: img.getBoundingClientRect().width}));
+  const images = [...document.images].map(img => {
+    const r = img.getBoundingClientRect(), s = getComputedStyle(img), px = name => parseFloat(s[name]) || 0;
+    return {src: img.getAttribute("src"), complete: img.complete, natural_width: img.naturalWidth, width: r.width,
+            drawn_width: r.width - px("borderLeftWidth") - px("borderRightWidth") - px("paddingLeft")
+                         - px("paddingRight")};
+  });
+  // the visible part of a clipping box, left to right: its client area (inside borders, scrollbar excluded)
+  const view = box => { const left = box.getBoundingClientRect().left + box.clientLeft;
+                        return [left, left + box.clientWidth]; };
+  const cells = [], unboxed = [];
+  for (const table of document.querySelectorAll("table")) {
+    const box = clipper(table), width = table.getBoundingClientRect().width;
+    const own = box === table.parentElement && box.querySelectorAll("table").length === 1
+      && ["auto", "scroll"].includes(getComputedStyle(box).overflowX);
+    if (width > page + tol && !own) unboxed.push({path: path(table), width, box: box ? path(box) : null});
+    for (const cell of table.querySelectorAll("td, th")) {
+      const r = cell.getBoundingClientRect(), s = getComputedStyle(cell), text = cell.textContent.trim();
+      const problem = why => cells.push({path: path(cell), why, text: text.slice(0, 40), left: r.left,
+                                         right: r.right});
+      if (r.width < 1 || r.height < 1 || s.visibility !== "visible") {
+        if (text && cell.tagName === "TD") problem("hidden");  // a header row may give way to labels in the cells
+        continue;
+      }
+      if (cell.scrollWidth > cell.clientWidth + 1) problem("content wider than its cell");
+      const range = document.createRange();  // what the reader sees of the cell: its content
+      range.selectNodeContents(cell);
+      const seen = text ? range.getBoundingClientRect() : r;
+      for (let e = cell.parentElement; e && e !== document.body; e = e.parentElement) {
+        if (!clips(e)) continue;
+        const [left, right] = view(e);
+        if (seen.left < left - tol || seen.right > right + tol) {
+          problem("outside the visible part of " + path(e));
+          break;
+        }
+      }
+    }
+  }
   return {inner_width: innerWidth, page_width: page, scroll_width: document.documentElement.scrollWidth,
-          tables: document.querySelectorAll("table").length, overflow, clipped, images};
+          device_pixel_ratio: devicePixelRatio, tables: document.querySelectorAll("table").length, overflow,
+          clipped, images, cells, unboxed};
 })()
 """
 
@@ -186,16 +231,43 @@ def measure(browser: Chromium, page: Path, width: int) -> dict:
 
 
 
-def assert_fits(m: dict, width: int, *, tables: int, images: int) -> None:
+def smallest_text_px(fig) -> float:
+    """The font size of the smallest visible text of a drawn matplotlib ``fig``, in pixels of its PNG."""
+    from matplotlib.text import Text
+
+    sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    return min(sizes) * fig.dpi / 72
+
+
+def assert_fits(m: dict, width: int, *, tables: int, images: int, text_px: dict[str, float] | None = None) -> None:
     """The page measured at ``width`` (:func:`measure`) has at least ``tables`` tables and ``images`` images,
-    every image loaded, nothing beyond the page, and no table cut off or scrolling where it may not."""
-    assert m["inner_width"] == width and m["page_width"] <= width  # measured at the width asked for
+    every image loaded and drawn at most :data:`MAX_UPSCALE` times its size, nothing beyond the page, no
+    table cut off, scrolling or hiding a column; ``text_px`` (``{src: smallest text in px of the PNG}``)
+    adds that no figure's text is drawn under :data:`MIN_TEXT_PX`. Every defect found is reported at once."""
     assert m["tables"] >= tables and len(m["images"]) >= images, (m["tables"], len(m["images"]))
+    found = []
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            found.append(message)
+
     broken = [img["src"] for img in m["images"] if not (img["complete"] and img["natural_width"] > 0)]
-    assert not broken, f"images that did not load at {width} px: {broken}"
-    assert all(0 < img["width"] <= m["page_width"] for img in m["images"]), m["images"]
-    assert not m["overflow"], f"beyond the page at {width} px: {json.dumps(m['overflow'][:8], indent=1)}"
-    assert m["scroll_width"] <= m["page_width"], "the page scrolls sideways"
-    allowed = [c for c in m["clipped"] if width < 640 and c["wide"] and c["overflow_x"] == "auto"]
-    cut = [c for c in m["clipped"] if c not in allowed]
-    assert not cut, f"cut off or behind a scrollbar at {width} px: {json.dumps(cut, indent=1)}"
+    check(not broken, f"images that did not load: {broken}")
+    check(all(0 < img["width"] <= m["page_width"] for img in m["images"]), f"images wider than the page: {m['images']}")
+    stretched = [f"{img['src']}: {img['drawn_width']:.0f} px from {img['natural_width']}" for img in m["images"]
+                 if img["drawn_width"] * m["device_pixel_ratio"] > MAX_UPSCALE * img["natural_width"]]
+    check(not stretched, f"images drawn over {MAX_UPSCALE}x their size: {stretched}")
+    if text_px is not None:
+        drawn = [(img["src"], text_px[img["src"]] * img["drawn_width"] / img["natural_width"]) for img in m["images"]
+                 if img["natural_width"]]
+        small = [(src, round(px, 1)) for src, px in drawn if px < MIN_TEXT_PX]
+        check(not small, f"figure text under {MIN_TEXT_PX:g} px (smallest text, px): {small}")
+    cut = m["cells"]
+    check(not cut, f"{len(cut)} table cells cut or hidden: {json.dumps(cut[:6], indent=1)}")
+    check(not m["unboxed"], f"tables wider than the page outside their own scroll box: {m['unboxed']}")
+    check(not m["overflow"], f"beyond the page: {json.dumps(m['overflow'][:8], indent=1)}")
+    check(m["scroll_width"] <= m["page_width"], "the page scrolls sideways")
+    check(not m["clipped"], f"cut off or behind a scrollbar: {json.dumps(m['clipped'], indent=1)}")
+    check(m["inner_width"] == width and m["page_width"] <= width,  # measured at the width asked for
+          f"laid out {m['inner_width']} px wide on a {width} px screen")
+    assert not found, f"at {width} px:\n- " + "\n- ".join(found)

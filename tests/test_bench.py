@@ -1,26 +1,34 @@
-"""``ropekit_lab.bench``: the rows it produces (what is timed next to what), their spread and flags.
+"""``ropekit_lab.bench``: the rows it produces (what is timed next to what), their uncertainty and flags.
 
-Never the timings themselves: the flagging logic is driven by synthetic timings.
+Never the timings themselves: the stopping rule runs on a fake clock, the flagging logic and the
+busy notice on synthetic timings.
 """
 
-import inspect
 import io
 import json
-import types
+import random
 from contextlib import redirect_stdout
 
+import numpy as np
 import pytest
 import torch
 
 from ropekit import ops
 from ropekit.cli.entry import main
 from ropekit_lab import bench, bench_rows
+from ropekit_lab.bench_timing import Plan, Timing, interleaved, quantile_interval
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """The load average as a quiet machine's (the real one would decide the busy notice)."""
+    monkeypatch.setattr(bench, "machine_load", lambda: (0.5, 2))
 
 
 def test_rows_pair_every_backend_with_its_floor():
     shape = bench.Shape("tiny", 2, 4, 2, 8, 16)  # GQA: 4 query heads, 2 key heads
     rows = bench.run(shapes=(shape,), dtypes=(torch.float32, torch.bfloat16), device="cpu", repeats=1,
-                     compile_peer=False)
+                     compile_peer=False, budget_s=0)
     by = {(r["dtype"], r["impl"], r["mode"]): r for r in rows}
     for dtype in ("float32", "bfloat16"):
         assert by[(dtype, "copy (x.clone)", "out-of-place")]["ratio_copy"] == 1.0
@@ -41,93 +49,225 @@ def test_rows_pair_every_backend_with_its_floor():
     assert ("bfloat16", "float32 round trip (x -> f32 -> x)", "out-of-place") in by
     assert ("float32", "float32 round trip (x -> f32 -> x)", "out-of-place") not in by
     assert not any(r["impl"] == "liger-kernel" for r in rows)  # a GPU peer
-    for r in rows:  # one repeat: no quartiles, so no spread and nothing to call noisy
-        assert r["spread_pct"] is None and r["min_ms"] == r["ms"] and "noisy" not in r["flags"]
+    for r in rows:  # one repeat: no quartiles, so no spread, no uncertainty and nothing to call noisy
+        assert r["spread_pct"] is None and r["error_pct"] is None and r["min_ms"] == r["ms"] == r["median_ms"]
+        assert r["repeats"] == 1 and "noisy" not in r["flags"]
+        assert (r["load_avg"], r["cores"], r["budget_s"]) == (0.5, 2, 0) and r["used_s"] > 0
     table = bench.format_table(rows).splitlines()
-    assert len(table) == len(rows) + 2 + len({f for r in rows for f in r["flags"]})
+    assert len(table) == len(rows) + 3 + len({f for r in rows for f in r["flags"]})  # + the measuring line
     assert any(line.startswith("| tiny | bfloat16 | cpu | in-place |") for line in table)
 
 
-# -- spread and flags: synthetic timings -------------------------------------------------------------
+# -- uncertainty and flags: synthetic timings ---------------------------------------------------------
 
 BIG = bench_rows.BOUND_MIN_BYTES  # a call that moves enough bytes for the copy floor to bound it
 
 
-def row(impl="cpu", ratio=1.0, spread=2.0, nbytes=BIG):
-    return {"impl": impl, "ratio_copy": ratio, "spread_pct": spread, "bytes": nbytes}
+def row(impl="cpu", ratio=1.0, error=2.0, nbytes=BIG):
+    return {"impl": impl, "ratio_copy": ratio, "error_pct": error, "bytes": nbytes}
 
 
 @pytest.mark.parametrize("ratio", [0.25, 0.9, 1.0, 1.2, 1.3])
 def test_a_plausible_quiet_row_is_not_flagged(ratio):
-    assert bench.judge(row(ratio=ratio), {"spread_pct": 3.0}) == {"flags": [], "note": None}
+    assert bench.judge(row(ratio=ratio), {"error_pct": 1.0}) == {"flags": [], "note": None}
 
 
 @pytest.mark.parametrize("ratio", [1.5, 2.0, 2.5])
 def test_a_rotation_much_faster_than_copying_the_same_bytes_is_flagged(ratio):
-    verdict = bench.judge(row(ratio=ratio), {"spread_pct": 3.0})
+    verdict = bench.judge(row(ratio=ratio), {"error_pct": 3.0})
     assert verdict["flags"] == ["beats floor"]
     assert f"{ratio:.2f}x" in verdict["note"] and "artefact" in verdict["note"] and "\n" not in verdict["note"]
 
 
-def test_the_floor_bound_widens_with_the_spreads():
-    limit = (1 + bench_rows.FLOOR_SLACK) * 1.09  # spreads of 4% and 5%
-    assert bench.judge(row(ratio=limit * 0.99, spread=4.0), {"spread_pct": 5.0})["flags"] == []
-    assert bench.judge(row(ratio=limit * 1.01, spread=4.0), {"spread_pct": 5.0})["flags"] == ["beats floor"]
+def test_the_floor_bound_widens_with_the_uncertainties():
+    limit = (1 + bench_rows.FLOOR_SLACK) * 1.07  # uncertainties of 3% and 4%
+    assert bench.judge(row(ratio=limit * 0.99, error=3.0), {"error_pct": 4.0})["flags"] == []
+    assert bench.judge(row(ratio=limit * 1.01, error=3.0), {"error_pct": 4.0})["flags"] == ["beats floor"]
 
 
-def test_a_wide_spread_of_the_row_or_its_floor_is_flagged_noisy():
+def test_an_uncertain_time_of_the_row_or_its_floor_is_flagged_noisy():
     limit = bench_rows.NOISE_LIMIT_PCT
-    assert bench.judge(row(spread=limit + 1), {"spread_pct": 1.0})["flags"] == ["noisy"]
-    assert bench.judge(row(spread=1.0), {"spread_pct": limit + 1})["flags"] == ["noisy"]
-    assert bench.judge(row(spread=limit), {"spread_pct": limit})["flags"] == []
-    both = bench.judge(row(ratio=9.0, spread=60.0), {"spread_pct": 60.0})
+    assert bench.judge(row(error=limit + 1), {"error_pct": 1.0})["flags"] == ["noisy"]
+    assert bench.judge(row(error=1.0), {"error_pct": limit + 1})["flags"] == ["noisy"]
+    assert bench.judge(row(error=limit), {"error_pct": limit})["flags"] == []
+    both = bench.judge(row(ratio=9.0, error=60.0), {"error_pct": 60.0})
     assert both["flags"] == ["noisy", "beats floor"] and "; " in both["note"]  # 9x is beyond any noise
 
 
 def test_floors_references_and_small_calls_are_not_bound_by_the_copy():
     for impl in bench_rows.REFERENCES:  # the floors, and a round trip into preallocated tensors
-        assert bench.judge(row(impl=impl, ratio=2.0), {"spread_pct": 1.0})["flags"] == []
+        assert bench.judge(row(impl=impl, ratio=2.0), {"error_pct": 1.0})["flags"] == []
     # below BOUND_MIN_BYTES the fixed cost of a call, not its bytes, sets the time
-    assert bench.judge(row(ratio=2.0, nbytes=BIG - 1), {"spread_pct": 1.0})["flags"] == []
-    # unknown spreads (fewer than 3 repeats) judge the ratio alone
-    assert bench.judge(row(ratio=1.2, spread=None), {"spread_pct": None})["flags"] == []
-    assert bench.judge(row(ratio=1.5, spread=None), {"spread_pct": None})["flags"] == ["beats floor"]
+    assert bench.judge(row(ratio=2.0, nbytes=BIG - 1), {"error_pct": 1.0})["flags"] == []
+    # unknown uncertainties (fewer than 3 repeats) judge the ratio alone
+    assert bench.judge(row(ratio=1.2, error=None), {"error_pct": None})["flags"] == []
+    assert bench.judge(row(ratio=1.5, error=None), {"error_pct": None})["flags"] == ["beats floor"]
 
 
-def test_time_ms_reports_median_quartiles_minimum_and_spread(monkeypatch):
-    durations = iter([1.0, 10.0, 3.0, 2.0, 4.0, 7.0])  # ms, in the order the calls take
-    clock = {"now": 0.0, "start": True}
-
-    def perf_counter():
-        if not clock["start"]:
-            clock["now"] += next(durations) / 1e3
-        clock["start"] = not clock["start"]
-        return clock["now"]
-
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=perf_counter))
-    timing = bench.time_ms(lambda: None, torch.device("cpu"), repeats=5, warmup=0)
-    assert (timing.median, timing.q1, timing.q3, timing.minimum) == pytest.approx((3.0, 2.0, 4.0, 1.0))
-    assert timing.spread_pct == pytest.approx(100 * 2.0 / 3.0)
-    single = bench.time_ms(lambda: None, torch.device("cpu"), repeats=1, warmup=0)
-    assert single.median == single.minimum == pytest.approx(7.0) and single.spread_pct is None
+# -- the stopping rule, on a fake clock ----------------------------------------------------------------
 
 
-def scripted(copy_ms, copy_spread=1.0, other_ms=2.0, other_spread=1.0):
-    """A stand-in for ``bench.time_ms``: the clone floor takes ``copy_ms``, every other forward ``other_ms``."""
+class FakeClock:
+    """Seconds that pass only when a fake call says so; each call logs its name."""
 
-    def time_ms(fn, device, repeats, warmup=2):
-        source = inspect.getsource(fn)
-        ms, spread = (copy_ms, copy_spread) if "q.clone(), k.clone()" in source else (other_ms, other_spread)
-        ms *= 2 if "backward" in source else 1  # forward + backward moves twice the bytes
-        half = ms * spread / 200
-        return bench.Timing(ms, ms - half, ms + half, ms - 2 * half, repeats)
+    def __init__(self) -> None:
+        self.now, self.log = 0.0, []
 
-    return time_ms
+    def __call__(self) -> float:
+        return self.now
+
+    def call(self, name: str, durations_ms):
+        """A call named ``name`` that takes the next of ``durations_ms`` (cycled) each time."""
+        durations = iter(durations_ms)
+
+        def run() -> None:
+            self.log.append(name)
+            self.now += next(durations) / 1e3
+        return run
+
+
+def cycle(*values):
+    while True:
+        yield from values
+
+
+def test_the_timing_is_the_lower_quartile_with_its_interval_against_numpy():
+    gen = random.Random(0)
+    samples = [gen.lognormvariate(0, 0.4) for _ in range(37)]
+    timing = Timing.of(samples)
+    assert timing.estimate == timing.q1 == pytest.approx(np.quantile(samples, 0.25))
+    assert timing.median == pytest.approx(np.median(samples)) and timing.minimum == min(samples)
+    assert timing.q3 == pytest.approx(np.quantile(samples, 0.75)) and timing.repeats == 37
+    assert timing.spread_pct == pytest.approx(100 * (timing.q3 - timing.q1) / timing.median)
+    assert timing.low <= timing.q1 <= timing.high and timing.low in samples and timing.high in samples
+    assert timing.error_pct == pytest.approx(100 * (timing.high - timing.low) / 2 / timing.q1)
+    doubled = timing.scaled(2)
+    assert (doubled.estimate, doubled.low, doubled.error_pct) == pytest.approx(
+        (2 * timing.estimate, 2 * timing.low, timing.error_pct))
+    assert Timing.of([3.0, 1.0]).error_pct is None and Timing.of([3.0]).spread_pct is None
+    with pytest.raises(ValueError, match="samples"):
+        Timing.of([])
+
+
+@pytest.mark.parametrize("n", [12, 40, 150])
+def test_the_quartile_interval_covers_the_true_quartile_about_95_percent_of_the_time(n):
+    gen = random.Random(n)
+    true_q1 = -np.log(0.75)  # of the unit exponential: a skewed law, as wall times are
+    covered = 0
+    for _ in range(1500):
+        low, high = quantile_interval(sorted(gen.expovariate(1.0) for _ in range(n)), 0.25)
+        covered += low <= true_q1 <= high
+    assert 0.93 <= covered / 1500 <= 0.995, covered / 1500  # the ranks are rounded outwards: at least 95%
+
+
+def test_rounds_interleave_the_calls_in_a_turning_order():
+    clock = FakeClock()
+    calls = {name: clock.call(name, cycle(1.0)) for name in "abc"}
+    timings, seconds = interleaved(calls, Plan(4, 4, 100.0, 5.0), clock=clock, warmup={"a": 1, "b": 1, "c": 1})
+    assert clock.log == list("abc") + list("abc" "bca" "cab" "abc")  # the warm-up, then 4 rounds
+    assert {t.repeats for t in timings.values()} == {4} and seconds == pytest.approx(0.012)
+
+
+def test_steady_calls_stop_at_the_least_number_of_rounds():
+    clock = FakeClock()
+    calls = {"copy": clock.call("copy", cycle(2.0)), "rotation": clock.call("rotation", cycle(2.5))}
+    timings, _ = interleaved(calls, Plan(5, 1000, 100.0, 5.0), clock=clock)
+    assert timings["copy"].repeats == 5 and timings["copy"].estimate == pytest.approx(2.0)
+    assert timings["rotation"].error_pct < 1e-9
+
+
+def test_rounds_go_on_until_every_time_is_known():
+    """One call slowed down at random by another job: rounds go on until its lower quartile is known to 5%;
+    the steady one leaves the rounds once its time is known."""
+    gen = random.Random(1)
+    durations = [2.0 * (1 + 0.02 * gen.random()) * (3 if gen.random() < 0.4 else 1) for _ in range(1000)]
+    clock = FakeClock()
+    calls = {"copy": clock.call("copy", cycle(2.0)), "rotation": clock.call("rotation", durations)}
+    timings, _ = interleaved(calls, Plan(5, 900, 100.0, 5.0), clock=clock)
+    done = timings["rotation"]
+    assert timings["copy"].repeats == 5  # known at once, it left the rounds to the call still unknown
+    assert clock.log[-3:] == ["rotation"] * 3
+    samples = durations[2:2 + done.repeats]  # after the two warm-up calls
+    assert done.estimate == pytest.approx(Timing.of(samples).estimate) and 5 < done.repeats < 900
+    assert done.error_pct <= 5.0 and done.spread_pct > 50  # known, though the samples stay spread
+    assert done.estimate == pytest.approx(2.0, rel=0.05)  # the undisturbed time, not the median's ~2x
+    for rounds in range(5, done.repeats):  # it stopped at the first round it could
+        assert Timing.of(samples[:rounds]).error_pct > 5.0
+
+
+def test_the_budget_ends_the_rounds_of_a_time_that_stays_unknown():
+    clock = FakeClock()  # anywhere from 1 to 9 ms: its lower quartile takes thousands of rounds to know to 5%
+    gen = random.Random(2)
+    calls = {"a": clock.call("a", (gen.uniform(1.0, 9.0) for _ in iter(int, 1))), "b": clock.call("b", cycle(1.0))}
+    timings, seconds = interleaved(calls, Plan(3, 1000, 0.05, 5.0), clock=clock)
+    assert 3 <= timings["a"].repeats < 1000 and timings["a"].error_pct > 5.0
+    assert 0.05 <= seconds < 0.05 + 0.011  # stopped by the round that crossed the budget
+    timings, seconds = interleaved(calls, Plan(3, 7, 100.0, 5.0), clock=clock)
+    assert timings["a"].repeats == 7  # or by max_repeats
+    timings, _ = interleaved(calls, Plan(3, 1000, 0.0, 5.0), clock=clock)
+    assert timings["a"].repeats == 3  # a zero budget: the least number of rounds
+
+
+def test_a_short_call_is_repeated_within_its_turn():
+    clock = FakeClock()
+    calls = {"decode": clock.call("decode", cycle(0.25)), "prefill": clock.call("prefill", cycle(4.0))}
+    plan = Plan(2, 2, 0.0, 5.0, sample_s=1e-3)
+    timings, _ = interleaved(calls, plan, clock=clock, warmup={"decode": 1, "prefill": 1})
+    assert clock.log == ["decode", "prefill"] + ["decode"] * 4 + ["prefill"] + ["prefill"] + ["decode"] * 4
+    assert timings["decode"].estimate == pytest.approx(0.25) and timings["prefill"].estimate == pytest.approx(4.0)
+
+
+def test_a_plan_names_what_is_wrong_with_it():
+    with pytest.raises(ValueError, match="min_repeats"):
+        Plan(0, 3, 1.0, 5.0)
+    with pytest.raises(ValueError, match="min_repeats"):
+        Plan(4, 3, 1.0, 5.0)
+    with pytest.raises(ValueError, match="budget_s"):
+        Plan(1, 3, -1.0, 5.0)
+    with pytest.raises(ValueError, match="calls"):
+        interleaved({}, Plan(1, 1, 0.0, 5.0))
+
+
+def test_time_ms_times_exactly_its_repeats():
+    timing = bench.time_ms(lambda: sum(range(100)), torch.device("cpu"), repeats=4, warmup=1)
+    assert timing.repeats == 4 and 0 < timing.minimum <= timing.estimate <= timing.median
+
+
+def test_run_splits_the_budget_cheap_cases_first_and_keeps_the_order(monkeypatch):
+    seen = []
+
+    def case(shape, dtype, device, plan, *, backward, compile_peer):
+        seen.append((shape.name, str(dtype), plan.budget_s))
+        used = {"decode": 0.5}.get(shape.name, plan.budget_s)  # the small case stops early
+        return [{"shape": shape.name, "dtype": str(dtype), "flags": []}], used
+
+    monkeypatch.setattr(bench, "_case", case)
+    small, large = bench.Shape("decode", 2, 2, 2, 1, 8), bench.Shape("prefill", 1, 4, 4, 64, 8)
+    rows = bench.run(shapes=(large, small), dtypes=(torch.float32,), device="cpu", budget_s=10.0)
+    assert seen == [("decode", "torch.float32", 5.0), ("prefill", "torch.float32", 9.5)]  # 10 - 0.5 left
+    assert [r["shape"] for r in rows] == ["prefill", "decode"]  # rows in the order asked for
+    assert all(r["budget_s"] == 10.0 and r["used_s"] == 10.0 and r["load_avg"] == 0.5 and r["cores"] == 2
+               for r in rows)
+
+
+def scripted(copy_ms, copy_error=1.0, other_ms=2.0, other_error=1.0):
+    """A stand-in for ``bench.interleaved``: the clone floor takes ``copy_ms``, every other forward ``other_ms``."""
+
+    def fake(calls, plan, **kwargs):
+        out = {}
+        for name in calls:
+            ms, error = (copy_ms, copy_error) if name == "copy" else (other_ms, other_error)
+            ms *= 2 if "fwd+bwd" in name else 1  # forward + backward moves twice the bytes
+            half = ms * error / 100
+            out[name] = Timing(1.05 * ms, ms, 1.1 * ms, 0.9 * ms, plan.min_repeats, ms - half, ms + half)
+        return out, 0.25
+
+    return fake
 
 
 def test_a_slow_copy_floor_flags_the_rows_it_bounds(monkeypatch):
     """A clone timed at 5x its true cost (fresh pages, a busy machine) flags what it bounds, nothing else."""
-    monkeypatch.setattr(bench, "time_ms", scripted(copy_ms=10.0))
+    monkeypatch.setattr(bench, "interleaved", scripted(copy_ms=10.0))
     big, small = bench.Shape("big", 1, 8, 8, 1024, 128), bench.Shape("small", 2, 4, 4, 1, 64)
     rows = bench.run(shapes=(big, small), dtypes=(torch.float32, torch.bfloat16), device="cpu", repeats=5,
                      compile_peer=False)
@@ -135,37 +275,76 @@ def test_a_slow_copy_floor_flags_the_rows_it_bounds(monkeypatch):
     for r in rows:
         bound = (r["shape"] == "big" and r["mode"] != "in-place" and r["impl"] not in bench_rows.REFERENCES)
         assert r["flags"] == (["beats floor"] if bound else []), r
-        assert r["spread_pct"] == pytest.approx(1.0) and r["min_ms"] < r["ms"]
+        assert r["error_pct"] == pytest.approx(1.0) and r["min_ms"] < r["ms"] < r["median_ms"]
     assert any(r["flags"] and r["impl"] == "cpu" for r in rows)
+    assert rows[0]["used_s"] == 4 * 0.25  # four cases
 
-    monkeypatch.setattr(bench, "time_ms", scripted(copy_ms=2.0))  # the same rows with an honest floor
+    monkeypatch.setattr(bench, "interleaved", scripted(copy_ms=2.0))  # the same rows with an honest floor
     rows = bench.run(shapes=(big,), dtypes=(torch.float32,), device="cpu", repeats=5, compile_peer=False)
     assert not any(r["flags"] for r in rows)
 
 
-def test_json_and_text_carry_spread_and_flags(monkeypatch):
-    """``ropekit bench --json`` rows carry spread, minimum, flags and note; the text table shows the flag and why."""
-    monkeypatch.setattr(bench, "time_ms", scripted(copy_ms=10.0, copy_spread=30.0))
+def test_json_and_text_carry_uncertainty_and_flags(monkeypatch):
+    """``ropekit bench --json`` rows carry the uncertainty, minimum, flags and note; the text shows the flag and why."""
+    monkeypatch.setattr(bench, "interleaved", scripted(copy_ms=10.0, copy_error=3.0, other_error=2.0))
     monkeypatch.setattr(bench, "QUICK_SHAPES", (bench.Shape("big", 1, 8, 8, 1024, 128),))
     out = io.StringIO()
     with redirect_stdout(out):
-        assert main(["bench", "--quick", "--device", "cpu", "--json"]) == 0
+        assert main(["bench", "--quick", "--device", "cpu", "--json", "--budget", "2.5"]) == 0
     rows = json.loads(out.getvalue())
-    for r in rows:  # every row judged against the noisy copy is noisy; in place, the mul_ floor is quiet
-        assert r["spread_pct"] == pytest.approx(30.0 if r["impl"] == "copy (x.clone)" else 1.0)
-        assert r["min_ms"] < r["ms"] and ("noisy" in r["flags"]) == (r["mode"] != "in-place")
-        assert r["note"] is None if r["mode"] == "in-place" else r["note"].startswith("spread 30%")
-    assert ["noisy", "beats floor"] in [r["flags"] for r in rows]
+    for r in rows:
+        assert r["error_pct"] == pytest.approx(3.0 if r["impl"] == "copy (x.clone)" else 2.0)
+        assert r["min_ms"] < r["ms"] and r["budget_s"] == 2.5 and r["load_avg"] == 0.5
+    assert [r["flags"] for r in rows if r["flags"]] and all(f == ["beats floor"] for f in (r["flags"] for r in rows)
+                                                             if f)
 
     out = io.StringIO()
     with redirect_stdout(out):
         assert main(["bench", "--quick", "--device", "cpu"]) == 0
     lines = out.getvalue().splitlines()
-    assert "| spread % |" in lines[0] and lines[0].endswith("| flag |")
-    assert "| 30 |" in lines[2] and lines[2].endswith("| noisy |")
-    assert any(line.endswith("| noisy, beats floor |") for line in lines)
-    assert lines[-2] == "noisy: " + bench_rows.FLAGS["noisy"]
-    assert lines[-1] == "beats floor: " + bench_rows.FLAGS["beats floor"]
+    assert lines[0].startswith("| shape |") and "| ± % |" in lines[0] and lines[0].endswith("| flag |")
+    assert "| 3.0 |" in lines[2] and lines[2].endswith("|  |")
+    assert any(line.endswith("| beats floor |") for line in lines)
+    assert lines[-2] == "beats floor: " + bench_rows.FLAGS["beats floor"]
+    assert lines[-1].startswith("Timed in interleaved rounds") and "0 of " in lines[-1]
+
+
+def test_a_machine_too_busy_to_measure_is_said_once_instead_of_flagging_most_rows(monkeypatch):
+    monkeypatch.setattr(bench, "interleaved", scripted(copy_ms=10.0, copy_error=30.0))
+    monkeypatch.setattr(bench, "QUICK_SHAPES", (bench.Shape("big", 1, 8, 8, 1024, 128),))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["bench", "--quick", "--device", "cpu", "--json"]) == 0
+    rows = json.loads(out.getvalue())
+    noisy = sum("noisy" in r["flags"] for r in rows)  # every row judged against the uncertain copy
+    assert noisy == sum(r["mode"] != "in-place" for r in rows) > len(rows) / 3  # JSON keeps every row's flags
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["bench", "--quick", "--device", "cpu"]) == 0
+    text = out.getvalue()
+    lines = text.splitlines()
+    assert lines[0] == bench_rows.busy_notice(rows) and f"{noisy} of {len(rows)} rows" in lines[0]
+    assert text.count("too busy") == 1 and "noisy" not in "".join(lines[1:-1])  # no row's flag, no flag line
+    assert any(line.endswith("| beats floor |") for line in lines)  # the other flag stays
+    assert f"{noisy} of {len(rows)} rows still noisy" in lines[-1]
+
+
+def test_the_busy_notice_speaks_for_many_noisy_rows_or_an_overloaded_machine():
+    def rows(noisy, total=9, load=0.5, cores=2):
+        return [{"flags": ["noisy"] if i < noisy else [], "load_avg": load, "cores": cores} for i in range(total)]
+
+    assert bench_rows.busy_notice(rows(3)) is None  # a third: each row says it
+    notice = bench_rows.busy_notice(rows(4))
+    assert notice.startswith("This machine was too busy to measure: 4 of 9 rows") and "\n" not in notice
+    assert "load average 0.5 on 2 cores" in notice
+    assert bench_rows.busy_notice(rows(0, load=2.5)) is not None and bench_rows.busy_notice(rows(0, load=2.0)) is None
+    assert bench_rows.busy_notice(rows(4, load=None)) is not None and "load" not in bench_rows.busy_notice(
+        rows(4, load=None))
+    assert bench_rows.busy_notice([]) is None
+    row = {"flags": ["noisy", "beats floor"]}
+    assert bench_rows.shown_flags(row, busy=True) == ["beats floor"]
+    assert bench_rows.shown_flags(row, busy=False) == ["noisy", "beats floor"]
 
 
 def test_every_backend_and_row_name_is_explained():

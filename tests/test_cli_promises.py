@@ -82,6 +82,7 @@ def bad_command_lines(h) -> dict[tuple[str, ...], str]:
         ("decay", "--dim", "8", "--max-distance", "10", "--png", str(h["under_file"])): "directory does not exist",
         ("inspect", "--config", str(h["missing"])): "config file not found",
         ("bench", "--threads", "0"): "--threads",
+        ("bench", "--budget", "-1"): "--budget",
         ("probe",): "one of the arguments --model --gguf --example is required",
         ("probe", "--example", "--tokens", "2"): "--tokens: expected an integer >= 3",
         ("probe", "--model", str(h["missing"])): "no such directory",

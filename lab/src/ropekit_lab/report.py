@@ -135,7 +135,7 @@ class _Report:
                                       "(divided by the factor) or blended (in between)"))
             rows = [row + [esc(info["regime"][i])] for i, row in enumerate(rows)]
         body += (f"<details><summary>Table per pair ({info['pairs']} rows)</summary>"
-                 f"{table(columns, rows, name='pairs', wide=True)}</details>")
+                 f"{table(columns, rows, name='pairs', stack='phone')}</details>")
         self.sections.append(("wavelengths", "Wavelengths per pair", body))
 
     def decay(self) -> None:
@@ -260,7 +260,7 @@ class _Report:
                    ("bound", "the deviation the check allows (float32 rounding)"),
                    ("result", "pass when the measured error is within the bound")]
         body = ("<p>Each property the seeds prove, measured now on this machine (float32 kernels against "
-                "float64 references).</p>" + table(columns, rows, name="checks", text_columns=(1,), wide=True))
+                "float64 references).</p>" + table(columns, rows, name="checks", text_columns=(1,), stack="phone"))
         precision = {start: bf16_error_comparison(positions_start=start) for start in (20000, 1_000_000)}
         rows = [[num(start), 1e3 * p["ropekit_mean"], 1e3 * p["hf_mean"], 1e3 * p["floor_mean"], p["ratio_mean"]]
                 for start, p in precision.items()]

@@ -1,4 +1,8 @@
-"""``ropekit bench``: every backend and installed peer against a plain copy (:mod:`ropekit_lab.bench`)."""
+"""``ropekit bench``: every backend and installed peer against a plain copy (:mod:`ropekit_lab.bench`).
+
+The text output starts with one line when the machine was too busy to measure
+(:func:`ropekit_lab.bench_rows.busy_notice`) and ends with how the rows were measured.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from typing import Any
 from ropekit.cli import positive, print_json
 
 from .common import MAX_THREADS
+
+MAX_BUDGET_S = 24 * 3600.0
 
 
 def add_parser(verbs: Any) -> None:
@@ -22,6 +28,9 @@ def add_parser(verbs: Any) -> None:
     bench.add_argument("--device", choices=("cpu", "cuda"), help="default: CUDA when available")
     bench.add_argument("--threads", type=positive(int, MAX_THREADS), metavar="N",
                        help="CPU threads (default: torch's default)")
+    bench.add_argument("--budget", type=positive(float, MAX_BUDGET_S), metavar="SECONDS",
+                       help="seconds of timed rounds in all, after which a time still uncertain stays flagged "
+                            "noisy (default: 6 with --quick, 180 without)")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.set_defaults(func=run)
 
@@ -34,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = bench.run(quick=args.quick, device=args.device)
+    rows = bench.run(quick=args.quick, device=args.device, budget_s=args.budget)
     if args.json:
         print_json(rows)
     else:
