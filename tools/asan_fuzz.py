@@ -8,7 +8,8 @@
 2. Runs the fuzzer in a child process with the compiler's ``libasan`` preloaded: ``--calls``
    seeded random calls of the ``torch.ops.ropekit_asan`` operators (apply_rotary, apply_rotary_,
    apply_rotary_qk, apply_rotary_qk_, the rms_norm_rotary forms and their backward, rotate_into_cache contiguous with
-   one start or per-row starts and paged, plan_rows) on random shapes, dtypes (float32, float64,
+   one start or per-row starts and paged, the rotate_offset forms (rows offset + t of full tables),
+   plan_rows) on random shapes, dtypes (float32, float64,
    bfloat16, float16), layouts, strides (permuted, sliced, channel-strided, empty) and tables that
    broadcast. Valid calls are compared with the float64 reference (:mod:`ropekit.ops.reference`;
    the norm and its gradient in float64 autograd); invalid ones (starts and slots out of the cache
@@ -436,6 +437,73 @@ class Fuzzer:
                 call[3] = torch.zeros(other, 1, seq, h)
         self.refused(lambda: self.ops.rotate_into_cache(*call), call[4], call[5])
 
+    def case_offset(self):
+        """rotate_offset, rotate_offset_, rotate_qk_offset, rotate_qk_offset_: rows offset + t of full tables."""
+        torch, rng, ops = self.torch, self.rng, self.ops
+        dtype, (head_dim, h) = rng.choice(DTYPES), self.head()
+        interleaved, conjugate = rng.random() < 0.5, rng.random() < 0.3
+        form = rng.choice(("rotate_offset", "rotate_offset_", "rotate_qk_offset", "rotate_qk_offset_"))
+        pair = form.startswith("rotate_qk")
+        shape = self.shape(rng.randint(2, 5), head_dim)
+        seq_axis = rng.randrange(len(shape) - 1)
+        tokens = shape[seq_axis]
+        rows = tokens + rng.randint(0, 40)
+        offset = rng.randint(0, rows - tokens)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(h, dtype=torch.float64) / max(h, 1)))
+        table_dtype = rng.choice((torch.float32, torch.float32, torch.float64, torch.bfloat16))
+        angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq
+        cos, sin = angles.cos().to(table_dtype), angles.sin().to(table_dtype)
+        if rng.random() < 0.3:  # tables that are views: every other row, or channel-strided
+            dim = rng.choice((0, 1))
+            cos, sin = (t.repeat_interleave(2, dim=dim) for t in (cos, sin))
+            cos, sin = (cos[::2], sin[::2]) if dim == 0 else (cos[:, ::2], sin[:, ::2])
+        q = self.strided(shape, dtype)
+        k = self.strided(shape, dtype) if pair else None
+        inputs = (q, k) if pair else (q,)
+        op = getattr(ops, form)
+        if rng.random() < 0.3:  # invalid: rows past the tables, a wrong axis, misfit tables
+            kind = self.kind = rng.choice(("past", "negative", "huge", "axis", "last", "wide", "sin", "rank"))
+            args = [cos, sin, offset, seq_axis]
+            if kind == "past":
+                args[2] = rows - tokens + rng.randint(1, 3)
+            elif kind == "negative":
+                args[2] = -rng.randint(1, 2**62)
+            elif kind == "huge":
+                args[2] = rng.choice((2**63 - 1, 2**62, 2**63 - tokens))
+            elif kind == "axis":
+                args[3] = rng.choice((-1, -2, len(shape) - 1, len(shape), 2**40))
+            elif kind == "last":
+                args[3] = len(shape) - 1
+            elif kind == "wide":
+                c = torch.zeros(rows, head_dim // 2 + 1)
+                args[0], args[1] = c, c.clone()
+            elif kind == "sin":
+                args[1] = torch.zeros(rows + 1, h)
+            else:
+                args[0], args[1] = cos.reshape(-1), sin.reshape(-1)
+            self.refused(lambda: op(*inputs, *args, interleaved, conjugate),
+                         *[t for t in inputs if form.endswith("_")])
+            return
+        positions = torch.arange(offset, offset + tokens)
+        view = [1] * (len(shape) - 1)
+        view[seq_axis] = tokens
+        positions = torch.broadcast_to(positions.reshape(view), shape[:-1])
+        want = [self.rotated(t.to(torch.float64), positions, inv_freq, shape[:-1], h, interleaved, conjugate)
+                for t in inputs]
+        if table_dtype == torch.bfloat16:  # the oracle rotates by the rounded tables, row = position
+            c64, s64 = cos.to(torch.float64)[positions], sin.to(torch.float64)[positions]
+            want = [self.rotate_table(t.to(torch.float64), c64, -s64 if conjugate else s64, h, interleaved)
+                    for t in inputs]
+        if form.endswith("_"):
+            op(*inputs, cos, sin, offset, seq_axis, interleaved, conjugate)
+            got = inputs
+        else:
+            got = op(*inputs, cos, sin, offset, seq_axis, interleaved, conjugate)
+            got = got if pair else (got,)
+        for g, w in zip(got, want, strict=True):
+            self.close(g, w, dtype, form)
+        self.valid += 1
+
     def case_plan_rows(self):
         """plan_rows (a test hook, reachable like the rest)."""
         n = self.rng.randint(0, 4)
@@ -484,7 +552,8 @@ class Fuzzer:
     def run(self, calls: int) -> list[str]:
         """Make ``calls`` calls; the findings, one line each."""
         cases = (self.case_apply_rotary, self.case_apply_rotary, self.case_norm, self.case_norm, self.case_cache,
-                 self.case_cache, self.case_cache, self.case_plan_rows, self.case_slot_mapping)
+                 self.case_cache, self.case_cache, self.case_offset, self.case_offset, self.case_plan_rows,
+                 self.case_slot_mapping)
         failures = []
         for i in range(calls):
             case = self.rng.choice(cases)
