@@ -21,7 +21,10 @@ models of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (multi-axis M-RoPE). :func:`patch`:
   into the rotation (:mod:`.transformers_norms`): q and k are normalised and rotated in one pass
   by :func:`ropekit.rms_norm_rotary_qk` (``fuse=False`` keeps transformers' norms);
 * with a cache from :func:`static_cache`, rotates the new keys straight into the cache's slots
-  (:mod:`.transformers_cache`).
+  (:mod:`.transformers_cache`);
+* while ``torch.compile`` traces the model, defers nothing and rotates q/k with plain torch
+  expressions that inductor fuses with the norms and the cache write around them
+  (:mod:`.transformers_compile`): an opaque kernel in the graph would cut that fusion.
 
 :func:`unpatch` removes the overrides; the model is then exactly as before (same outputs, bit for bit).
 :func:`load_converted` loads a directory written by ``ropekit convert`` whose q/k rows are in a
@@ -47,6 +50,7 @@ from ..fused import rms_norm_rotary, rms_norm_rotary_qk
 from ..rope.axes import AxisPlan
 from ..rope.frequencies import cos_sin
 from ..validation import check_layout
+from . import transformers_compile as traced
 from . import transformers_norms as norms
 from .transformers_norms import Call, current
 
@@ -98,8 +102,11 @@ def _dispatcher(original):
         if args:
             unsqueeze_dim = args[0]
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)  # half-width tables of _rotary_forward
+        compiling = torch.compiler.is_compiling()
+        if compiling and traced.EXPRESSIONS:  # nothing was deferred: see transformers_compile
+            return traced.rotated_qk(q, k, cos, sin, call.layout)
         pending_q, pending_k = _claimed(call, "q", q), _claimed(call, "k", k)
-        defer_key = call.cache_layer is not None and not torch.compiler.is_compiling()
+        defer_key = call.cache_layer is not None and not compiling
         if defer_key:  # the cache layer normalises and rotates the key on its way into the cache
             call.deferred_key = (k, k, None if pending_k is None else pending_k[1], cos, sin)
             if pending_q is not None:

@@ -15,16 +15,19 @@ static cache says it is compileable, transformers builds that mask at every step
 token, where it would otherwise leave attention unmasked (it expects a compiled forward). A tiny
 model decoded 10-20% fewer tokens per second with it than with ``DynamicCache`` (which attends over
 the written keys, unmasked for one query token). Here the slots written are counted in Python
-(``filled``, beside the ``cumulative_length`` tensor: nothing is read back from the device; the
-layers also give it as their length and as the slot the keys go to), and the layer is compileable
-only while ``torch.compile`` traces it, where it returns every slot, as
-transformers' does. ``generate`` compiles its forward only on accelerators (or when asked to with
-``compile_config``), so on a model elsewhere (a GPU: ``generate`` may compile with a static cache)
-the layers keep transformers' behaviour.
+(``filled``, beside the ``cumulative_length`` tensor; the layers also give it as their length and
+as the slot the keys go to), and the layer is compileable only while ``torch.compile`` traces it,
+where it returns every slot, as transformers' does. A traced step does not read the count (the
+compiled graph would guard on its value and be compiled again at every step): it leaves it unknown,
+and the next eager step reads it back once from ``cumulative_length``. ``generate`` compiles its
+forward only on accelerators (or when asked to with ``compile_config``), so on a model elsewhere (a
+GPU: ``generate`` may compile with a static cache) the layers keep transformers' behaviour.
 
 Limits: only ``StaticLayer`` (full attention) layers are replaced; sliding-window layers, the
 ``DynamicCache`` that ``generate`` builds by default (it concatenates, so there is no copy to save),
-quantised and offloaded caches keep transformers' update. Under ``torch.compile`` nothing is deferred.
+quantised and offloaded caches keep transformers' update. Under ``torch.compile`` nothing is deferred:
+the traced key is rotated by a plain expression and written by transformers' ``update``
+(:mod:`.transformers_compile`).
 """
 
 from __future__ import annotations
@@ -50,8 +53,15 @@ class RotatingStaticLayer(StaticLayer):
 
     def __init__(self, max_cache_len: int, attend_written: bool = False, **kwargs: Any) -> None:
         super().__init__(max_cache_len=max_cache_len, **kwargs)
-        self.filled = 0
+        self._filled: int | None = 0  # None: written by a compiled step, read back from cumulative_length
         self.attend_written = attend_written
+
+    @property
+    def filled(self) -> int:
+        """The slots written so far, an int (read back from ``cumulative_length`` once after compiled steps)."""
+        if self._filled is None:
+            self._filled = int(self.cumulative_length)
+        return self._filled
 
     @property
     def is_compileable(self) -> bool:
@@ -61,27 +71,39 @@ class RotatingStaticLayer(StaticLayer):
     def reset(self) -> None:
         """Empty the layer (transformers' ``reset``), and the count of slots written."""
         super().reset()
-        self.filled = 0
+        self._filled = 0
 
     def get_seq_length(self) -> Any:
         """The tokens in the layer: an int (as DynamicCache gives) in eager mode with attend_written, else a tensor."""
-        if self.is_compileable:
+        if not self.attend_written or torch.compiler.is_compiling():
             return super().get_seq_length()
         return self.filled
 
     def get_mask_sizes(self, query_length: Any, *args: Any, **kwargs: Any) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the mask: the slots written once this step's are (eager), else every slot."""
-        if self.is_compileable:
+        if not self.attend_written or torch.compiler.is_compiling():
             return super().get_mask_sizes(query_length, *args, **kwargs)
         if isinstance(query_length, torch.Tensor):  # transformers before 4.57 passes cache_position
             query_length = query_length.shape[0]
         return min(self.filled + query_length, self.max_cache_len), 0
 
-    def _written(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values attention reads: the slots written (eager), else the whole cache."""
-        if self.is_compileable or self.filled >= self.max_cache_len:
+    def _wrote(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Count ``tokens`` more slots written; return the keys and values attention reads.
+
+        Eager: the slots written (with ``attend_written``), else the whole cache. A traced step
+        returns the whole cache and forgets the count instead of reading it: a count read while
+        tracing would make ``torch.compile`` guard on its value (and compile again at every step,
+        or make it a symbolic size); ``cumulative_length``, the tensor the compiled graph updates,
+        keeps it.
+        """
+        if torch.compiler.is_compiling():
+            self._filled = None
             return self.keys, self.values
-        return self.keys[:, :, :self.filled], self.values[:, :, :self.filled]
+        filled = self.filled + tokens
+        self._filled = filled
+        if not self.attend_written or filled >= self.max_cache_len:
+            return self.keys, self.values
+        return self.keys.narrow(2, 0, filled), self.values.narrow(2, 0, filled)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         """The fused cache write for the key the patched attention deferred; anything else: transformers' ``update``."""
@@ -89,9 +111,8 @@ class RotatingStaticLayer(StaticLayer):
         deferred = call.deferred_key if call is not None else None
         if deferred is None or deferred[0] is not key_states:
             super().update(key_states, value_states, *args, **kwargs)
-            self.filled += key_states.shape[-2]
-            return self._written()
-        call.deferred_key = None
+            return self._wrote(key_states.shape[-2])
+        call.deferred_key = None  # deferred in eager mode only (the patch defers nothing while tracing)
         _, k, spec, cos, sin = deferred
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -101,12 +122,11 @@ class RotatingStaticLayer(StaticLayer):
             per_token = weight.numel() != k.shape[-1]
             norm = dict(k_weight=weight.view(k.shape[1], -1) if per_token else weight, eps=spec.eps,
                         weight_offset=spec.weight_offset, norm="per_token" if per_token else "per_head")
-        start = self.cumulative_length if self.is_compileable else self.filled  # eager with attend_written: an int
+        start = self.filled if self.attend_written else self.cumulative_length  # an int slot as DynamicCache counts
         rotate_into_cache(k, value_states, cos, sin, self.keys, self.values, start, layout=call.layout,
                           backend=call.backend, **norm)
         self.cumulative_length.add_(k.shape[-2])
-        self.filled += k.shape[-2]
-        return self._written()
+        return self._wrote(k.shape[-2])
 
 
 def static_cache(model: torch.nn.Module, max_cache_len: int, **kwargs: Any) -> StaticCache:
