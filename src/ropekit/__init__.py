@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "AxisPlan": "rope.axes",
     "RopeConfig": "config.rope_config",
+    "LayerSchedule": "config.schedules",
     "RotaryEmbedding": "nn.rotary",
     "apply_reference": "ops.reference",
     "rotation_matrix": "ops.reference",
@@ -50,6 +51,7 @@ _MOVED = {"backends": ("ropekit.ops", "ropekit.ops (available, register, get, re
 
 __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "AxisPlan",
+    "LayerSchedule",
     "LayoutEvidence",
     "RopeConfig",
     "RotaryEmbedding",
@@ -84,6 +86,7 @@ if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names a
     from . import checkpoints, distributed, integrations, multiaxis, nn, ops, scaling
     from .config import RopeConfig
     from .config.rules import inv_frequencies
+    from .config.schedules import LayerSchedule
     from .functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
     from .fused import rms_norm_rotary, rms_norm_rotary_qk, rotate_into_cache, slot_mapping
     from .nn.rotary import RotaryEmbedding
