@@ -264,6 +264,27 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_no_empty_folder(tmp_path):
         assert out == b""
 
 
+@pytest.mark.parametrize("interrupted", [True, False])
+def test_a_failure_after_ctrl_c_still_ends_as_interrupted(monkeypatch, capsys, interrupted):
+    # Ctrl-C in the middle of an import leaves the module half-loaded; the next import of it raises
+    # ImportError ("cannot load module more than once per process"). After an interrupt, that is still
+    # "interrupted", exit 130; without one, the same error is a bug and keeps its traceback.
+    from ropekit import files
+
+    def run(args):
+        if interrupted:
+            files.note_interrupt()
+        raise ImportError("cannot load module more than once per process")
+
+    monkeypatch.setattr(cli_inspect, "run", run)
+    if not interrupted:
+        with pytest.raises(ImportError):
+            main(["inspect"])
+        return
+    assert main(["inspect"]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == "ropekit inspect: interrupted"
+
+
 # -- no torch before the arguments are parsed --------------------------------------------------------
 
 
