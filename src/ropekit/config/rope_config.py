@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
-from ..rope.axes import AxisPlan, mrope, single_axis
+from ..rope.axes import AxisPlan, single_axis
 from ..rope.scaling import DynamicNTK, LongRoPE, Proportional
 from ..validation import check_even_positive, check_layout, check_length, check_positive_float
 from .diffusers import diffusers_rope
 from .families import model_types_where
 from .layout_record import hf_layout, read_layout_record
-from .multimodal import mrope_layout, multi_axis_keys
+from .multimodal import mrope_layout, mrope_plan, multi_axis_keys
 from .rules import METADATA_KEYS, PLAIN_ROPE_TYPES, RULE_KEYS, inv_frequencies, rope_type_of, rule_from_dict
 from .schedules import LayerSchedule, read_layer_schedule
 
@@ -142,9 +142,10 @@ class RopeConfig:
         ``original_max_position_embeddings`` (Phi-3, which wins as in Hugging Face); Gemma 3's
         ``rope_local_base_freq``; multimodal configs through ``text_config``.
 
-        Multi-axis RoPE (:attr:`axes` set): the M-RoPE of Qwen2-VL, Qwen2.5-VL and Qwen3-VL
-        (``mrope_section``, ``"type": "mrope"``, ``mrope_interleaved``; the pair-to-axis map follows
-        the model type, see :mod:`ropekit.config.multimodal`), and diffusers transformer configs
+        Multi-axis RoPE (:attr:`axes` set): the M-RoPE of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen2.5-Omni
+        (the thinker's, through ``thinker_config``), GLM-4.1V / 4.5V and ERNIE-4.5-VL (``mrope_section``,
+        ``"type": "mrope"``, ``mrope_interleaved``; the pair-to-axis map follows the model type, see
+        :mod:`ropekit.config.multimodal`), and diffusers transformer configs
         (``_class_name``: FLUX.1, FLUX.2, HunyuanVideo, Wan, CogVideoX; axial, interleaved pairing).
         A config with multi-axis keys ropekit cannot represent raises; it never becomes 1-D RoPE.
 
@@ -197,9 +198,9 @@ class RopeConfig:
                 scaling = dataclasses.replace(scaling, fixed_seq_len=fixed_seq_len)
         axes = None
         if axis_keys is not None:
-            section, interleaved = mrope_layout(cfg.get("model_type"), axis_keys)
+            section, kind = mrope_layout(cfg.get("model_type"), axis_keys)
             inv_freq, scale = inv_frequencies(rotary_dim, base, scaling)
-            axes = mrope(inv_freq, section, interleaved=interleaved, attention_scale=scale)
+            axes = mrope_plan(inv_freq, section, kind, scale)
         return cls(
             head_dim=head_dim,
             rotary_dim=rotary_dim,
@@ -223,6 +224,9 @@ def _as_dict(config: Any) -> dict[str, Any]:
         cfg = config.to_dict()
     else:
         raise TypeError(f"config must be a config.json dict or a transformers config, got {type(config).__name__}")
+    thinker = cfg.get("thinker_config")  # Qwen2.5-Omni: the thinker's language model (the talker has its own)
+    if isinstance(thinker, Mapping) and not any(key in cfg for key in ("text_config", "hidden_size", "head_dim")):
+        cfg = {"model_type": cfg.get("model_type"), **thinker}
     text = cfg.get("text_config")
     if isinstance(text, Mapping) and not any(key in cfg for key in ("hidden_size", "head_dim", "n_embd")):
         cfg = {"model_type": cfg.get("model_type"), **text}  # multimodal wrapper: the language model's rope

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ..config import RopeConfig
+from ..config.families import modeling_layout
 from ..functional import apply_rotary, apply_rotary_qk
 from ..fused import rms_norm_rotary, rms_norm_rotary_qk
 from ..rope.axes import AxisPlan
@@ -225,7 +226,7 @@ def _frequencies(model: torch.nn.Module, rope: RopeConfig | None, rotary: list,
     own_axes = first.axes.n_axes if first.axes else 1
     if rope is None:
         for cfg in own.values() if layout is None else ():
-            if cfg.layout != "half":
+            if cfg.layout != modeling_layout(getattr(model.config, "model_type", None)):
                 # e.g. rope_interleave configs: their modeling code may rotate in its own way; be explicit
                 raise ValueError(f"{type(model).__name__}'s config implies layout {cfg.layout!r}; pass layout= (or "
                                  "rope=) with the layout its q/k weights are stored in")
