@@ -110,6 +110,7 @@ def nope_schedules() -> dict[str, str]:
     """``model_type -> NoPE schedule convention`` (``"smollm3"`` or ``"llama4"``) of the families that have one."""
     return {t: f.nope_schedule for f in FAMILIES if f.nope_schedule is not None for t in f.model_types}
 
+
 def modeling_layout(model_type: object) -> str:
     """The pairing transformers' own ``apply_rotary_pos_emb`` of ``model_type`` rotates in (``"half"`` if unknown)."""
     return next((f.modeling_layout for f in FAMILIES if model_type in f.model_types), "half")
