@@ -81,3 +81,24 @@ def test_the_gradient_of_the_inverse_on_triton_is_the_forward_rotation(form):
     (grad,) = torch.autograd.grad((q_out * w).sum(), q)
     want = apply_reference(w, positions, base_inv_freq(16))
     assert float((grad.double() - want).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("case", ("run", "scattered", "paged"))
+def test_rerotate_cache_on_triton_matches_the_eager_backend(case, monkeypatch):
+    """Moving cached keys runs the Triton kernel (``apply_rotary`` in place on the cache or the gathered rows)."""
+    launches = count_calls(monkeypatch, triton_rotary, "launch")
+    gen = torch.Generator().manual_seed(13)
+    inv_freq = base_inv_freq(16)
+    if case == "paged":
+        cache = torch.randn(6, 4, 2, 16, generator=gen).to(torch.bfloat16)
+        where = dict(block_table=torch.tensor([[3, 0], [5, 1]]), positions=torch.tensor([[1, 2, 6], [0, 4, -1]]))
+        delta = torch.tensor([[-1, 3, 1], [2, 2, 0]])
+    else:
+        cache = torch.randn(2, 2, 10, 16, generator=gen).to(torch.bfloat16)
+        where = dict(positions=torch.arange(3, 9)) if case == "run" else dict(positions=torch.tensor([[7, 2], [5, 9]]))
+        delta = -3 if case == "run" else torch.tensor([[-7, 4], [1, -9]])
+    eager = cache.clone()
+    ropekit.rerotate_cache(cache, delta, inv_freq=inv_freq, backend="triton", **where)
+    ropekit.rerotate_cache(eager, delta, inv_freq=inv_freq, backend="torch", **where)
+    assert launches, "the Triton kernel ran"
+    assert float((cache.double() - eager.double()).abs().max()) <= bound(eager)
