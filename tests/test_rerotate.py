@@ -164,8 +164,13 @@ def test_tables_and_inv_freq_give_the_same_bits():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_paged_keys_move_through_the_block_table(backend, layout):
-    """Each sequence's keys at their slots (``slot_mapping``), padding skipped, other slots untouched."""
+@pytest.mark.parametrize("kv_blocks", [False, True])
+def test_paged_keys_move_through_the_block_table(backend, layout, kv_blocks):
+    """Each sequence's keys at their slots (``slot_mapping``), padding skipped, other slots untouched.
+
+    ``kv_blocks``: keys and values share each block (FlashInfer's ``(num_blocks, 2, block_size,
+    kv_heads, head_dim)``), so the key cache's blocks do not merge into one axis of rows.
+    """
     gen = torch.Generator().manual_seed(3)
     block_size, num_blocks, seq = 4, 16, 10
     inv_freq = base_inv_freq(D)
@@ -173,7 +178,8 @@ def test_paged_keys_move_through_the_block_table(backend, layout):
     keys = torch.randn(2 * seq, H, D, generator=gen).to(torch.bfloat16)
     positions = torch.arange(seq).expand(2, seq)
     slots = ropekit.slot_mapping(block_table, positions, block_size)
-    k_cache = torch.randn(num_blocks, block_size, H, D, generator=gen).to(torch.bfloat16)
+    k_cache = torch.randn(num_blocks, 2 if kv_blocks else 1, block_size, H, D, generator=gen).to(torch.bfloat16)[:, 0]
+    assert k_cache.is_contiguous() != kv_blocks
     cos, sin = cos_sin(positions.reshape(-1), inv_freq)
     ropekit.rotate_into_cache(keys, torch.zeros_like(keys), cos[:, None], sin[:, None], k_cache,
                               torch.zeros_like(k_cache), slots, block_size=block_size, layout=layout)

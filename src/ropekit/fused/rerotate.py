@@ -305,17 +305,35 @@ def rerotate_cache(
             cos, sin = (cos[:, None], sin[:, None]) if seq_axis == 2 else (cos[:, :, None], sin[:, :, None])
         apply_rotary(view, cos, sin, **options)
         return k_cache
-    cos, sin = _rotation(delta[valid], cos_table, sin_table, inv_freq, k_cache.dtype)
-    cos, sin = cos[:, None], sin[:, None]  # (keys, 1, half) against the gathered (keys, kv_heads, head_dim)
+    moved = delta[valid]
+    one = bool((moved == moved[0]).all())  # one delta for every key: one row of tables, broadcast
+    cos, sin = _rotation(moved[:1] if one else moved, cos_table, sin_table, inv_freq, k_cache.dtype)
+    cos, sin = cos[:, None], sin[:, None]  # (keys or 1, 1, half) against the gathered (keys, kv_heads, head_dim)
     if paged:
-        index = (slots[slots >= 0] // block_size, slots[slots >= 0] % block_size)
-    else:
-        index = valid.nonzero(as_tuple=True)[0], pos[valid]
-        if seq_axis == 2:
-            index = (index[0], slice(None), index[1])
+        _move_rows(k_cache, slots[slots >= 0], block_size, cos, sin, options)
+        return k_cache
+    index = valid.nonzero(as_tuple=True)[0], pos[valid]
+    if seq_axis == 2:
+        index = (index[0], slice(None), index[1])
     keys = k_cache[index]  # gathered (keys, kv_heads, head_dim)
     k_cache[index] = apply_rotary(keys, cos, sin, **options)
     return k_cache
+
+
+def _move_rows(k_cache: Tensor, slots: Tensor, block_size: int, cos: Tensor, sin: Tensor, options: dict) -> None:
+    """Turn the keys of a paged cache at ``slots``: gathered, rotated in place, written back.
+
+    Through a ``(num_blocks * block_size, kv_heads, head_dim)`` view with ``index_select`` /
+    ``index_copy_`` where the blocks' axes merge (a contiguous cache: about twice as fast as
+    indexing by block and row), else by block and row.
+    """
+    try:
+        rows = k_cache.view(-1, *k_cache.shape[2:])
+    except RuntimeError:  # blocks whose axes do not merge into one
+        index = (slots // block_size, slots % block_size)
+        k_cache[index] = apply_rotary(k_cache[index], cos, sin, **options)
+        return
+    rows.index_copy_(0, slots, apply_rotary(rows.index_select(0, slots), cos, sin, **options))
 
 
 def _check_unique(slots: Tensor, capacity: int | None, name: str) -> None:
