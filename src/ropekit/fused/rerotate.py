@@ -115,7 +115,10 @@ def _integer_tensor(t: object, name: str) -> Tensor:
 
 def _grid(positions: Tensor | None, delta: int | Tensor, batch: int, length: int | None,
           device: torch.device) -> tuple[Tensor, Tensor]:
-    """int64 ``(batch, n)`` positions and deltas (positions None: every slot ``[0, length)`` of a contiguous cache)."""
+    """int64 positions ``(1 or batch, n)`` and deltas ``(1 or batch, 1 or n)``, broadcasting to ``(batch, n)``.
+
+    Positions None: every slot ``[0, length)`` of a contiguous cache.
+    """
     if positions is None:
         if length is None:
             raise ValueError("positions is required with block_table: the (batch, n) positions of the keys to move")
@@ -127,23 +130,23 @@ def _grid(positions: Tensor | None, delta: int | Tensor, batch: int, length: int
         if pos.dim() not in (1, 2) or (pos.dim() == 2 and pos.shape[0] != batch):
             raise ValueError(f"positions must have shape (n,) (every sequence) or (batch, n) = ({batch}, n), got "
                              f"{tuple(pos.shape)}")
-    pos = pos.to(torch.int64).expand(batch, pos.shape[-1])
+    pos = pos.to(torch.int64).reshape(-1 if pos.dim() == 2 else 1, pos.shape[-1])
     if isinstance(delta, bool) or not isinstance(delta, (int, Tensor)):
         raise TypeError(f"delta must be an int or an integer tensor, got {type(delta).__name__}")
     if isinstance(delta, int):
         if not -2**62 < delta < 2**62:
             raise ValueError(f"delta must lie within +-2**62, got {delta}")
-        return pos, torch.full_like(pos, delta)
+        return pos, torch.full((1, 1), delta, dtype=torch.int64, device=device)
     d = _integer_tensor(delta, "delta")
     if d.device != device:
         raise ValueError(f"delta is on {d.device} but k_cache is on {device}")
     n = pos.shape[1]
     if d.dim() == 0:
-        return pos, d.to(torch.int64).expand(batch, n)
+        return pos, d.to(torch.int64).reshape(1, 1)
     if d.dim() == 1 and d.shape[0] == batch:
-        return pos, d.to(torch.int64)[:, None].expand(batch, n)
+        return pos, d.to(torch.int64)[:, None]
     if d.dim() == 2 and d.shape[0] in (1, batch) and d.shape[1] == n:
-        return pos, d.to(torch.int64).expand(batch, n)
+        return pos, d.to(torch.int64)
     raise ValueError(f"delta must be an int, or an integer tensor of shape () (every key), (batch,) = ({batch},) (one "
                      f"per sequence) or (batch, n) = ({batch}, {n}) (one per key), got {tuple(d.shape)}")
 
@@ -151,20 +154,19 @@ def _grid(positions: Tensor | None, delta: int | Tensor, batch: int, length: int
 def _check_moves(pos: Tensor, delta: Tensor, valid: Tensor, rows: int | None, limit: int, where: str) -> None:
     """Raise ValueError unless every key moves to a position in ``[0, limit)`` by a table row it has."""
     new = pos + delta
-    low = torch.where(valid, new, 0).min()
-    if int(low) < 0:
+    pos, delta, valid = pos.expand_as(new), delta.expand_as(new), valid.expand_as(new)
+    if int(torch.where(valid, new, 0).min()) < 0:
         b, t = (int(i) for i in ((new < 0) & valid).nonzero()[0])
         raise ValueError(f"delta moves the key at position {int(pos[b, t])} of sequence {b} by {int(delta[b, t])} to "
                          f"{int(new[b, t])}, below 0")
-    high = torch.where(valid, new, -1).max()
-    if int(high) >= limit:
+    if int(torch.where(valid, new, -1).max()) >= limit:
         b, t = (int(i) for i in ((new >= limit) & valid).nonzero()[0])
         raise ValueError(f"delta moves the key at position {int(pos[b, t])} of sequence {b} by {int(delta[b, t])} to "
                          f"{int(new[b, t])}, past {where}")
     if rows is not None:
-        far = torch.where(valid, delta.abs(), 0).max()
-        if int(far) >= rows:
-            raise ValueError(f"delta of magnitude {int(far)} needs row {int(far)} of cos_table, which has {rows} rows")
+        far = int(torch.where(valid, delta.abs(), 0).max())
+        if far >= rows:
+            raise ValueError(f"delta of magnitude {far} needs row {far} of cos_table, which has {rows} rows")
 
 
 def _rotation(delta: Tensor, cos_table: Tensor | None, sin_table: Tensor | None, inv_freq: Tensor | None,
@@ -185,13 +187,12 @@ def _rotation(delta: Tensor, cos_table: Tensor | None, sin_table: Tensor | None,
     return cos.reshape(*delta.shape, -1), sin.reshape(*delta.shape, -1)
 
 
-def _one_run(pos: Tensor, valid: Tensor) -> int | None:
-    """The first position when every sequence moves the same run ``p0, p0 + 1, ...`` of slots, else None."""
-    if not bool(valid.all()) or pos.shape[1] == 0:
+def _one_run(pos: Tensor) -> int | None:
+    """The first position when every sequence moves one run ``p0, p0 + 1, ...`` of slots (no padding), else None."""
+    if pos.shape[0] != 1 or pos.shape[1] == 0 or int(pos[0, 0]) < 0:
         return None
     first = int(pos[0, 0])
-    run = torch.arange(first, first + pos.shape[1], device=pos.device)
-    return first if bool((pos == run).all()) else None
+    return first if bool((pos[0] == torch.arange(first, first + pos.shape[1], device=pos.device)).all()) else None
 
 
 def rerotate_cache(
@@ -283,36 +284,37 @@ def rerotate_cache(
     valid = pos >= 0
     if not bool(valid.any()):
         return k_cache
+    first = None
     if paged:
-        slots = slot_mapping(block_table, torch.where(valid, pos, -1), block_size)
+        slots = slot_mapping(block_table, pos.expand(batch, -1), block_size)  # negative positions: -1
         _check_unique(slots[slots >= 0], k_cache.shape[0] * block_size, "block_table")
     else:
-        top = int(torch.where(valid, pos, -1).max())
+        top = int(pos.max())
         if top >= length:
             raise ValueError(f"positions must be slots of k_cache, below its max_length {length}, got {top}")
-        _check_unique((torch.arange(batch, device=pos.device)[:, None] * length + pos)[valid], None, "positions")
+        first = 0 if positions is None else _one_run(pos)
+        if first is None:  # a run is listed once; other positions are checked
+            rows_of = torch.arange(pos.shape[0], device=pos.device)[:, None] * length + pos
+            _check_unique(rows_of[valid], None, "positions")
     _check_moves(pos, delta, valid, rows, rows if rows is not None else capacity, where)
     options = dict(layout=layout, inplace=True, backend=name)
-    first = None if paged else _one_run(pos, valid)
     if first is not None:  # one run of slots: a view of the cache, turned in place
         view = k_cache.narrow(seq_axis, first, pos.shape[1])
-        if bool((delta == delta[:, :1]).all()):  # one delta per sequence (or one for all): (batch or 1, 1, 1, half)
-            one = delta[:1, :1] if bool((delta == delta[0, 0]).all()) else delta[:, :1]
-            cos, sin = _rotation(one, cos_table, sin_table, inv_freq, k_cache.dtype)
+        cos, sin = _rotation(delta, cos_table, sin_table, inv_freq, k_cache.dtype)  # (1 or batch, 1 or n, half)
+        if delta.shape[1] == 1 or seq_axis == 1:  # one per sequence (or for all), or bshd: (., n or 1, 1, half)
             cos, sin = cos[:, :, None], sin[:, :, None]
-        else:  # one per key, along the keys' axis of the view
-            cos, sin = _rotation(delta, cos_table, sin_table, inv_freq, k_cache.dtype)
-            cos, sin = (cos[:, None], sin[:, None]) if seq_axis == 2 else (cos[:, :, None], sin[:, :, None])
+        else:  # one per key of a bhsd view: (., 1, n, half)
+            cos, sin = cos[:, None], sin[:, None]
         apply_rotary(view, cos, sin, **options)
         return k_cache
-    moved = delta[valid]
-    one = bool((moved == moved[0]).all())  # one delta for every key: one row of tables, broadcast
-    cos, sin = _rotation(moved[:1] if one else moved, cos_table, sin_table, inv_freq, k_cache.dtype)
+    valid = valid.expand(batch, -1)
+    moved = delta.expand(batch, pos.shape[1])[valid] if delta.numel() > 1 else delta.reshape(1)
+    cos, sin = _rotation(moved, cos_table, sin_table, inv_freq, k_cache.dtype)
     cos, sin = cos[:, None], sin[:, None]  # (keys or 1, 1, half) against the gathered (keys, kv_heads, head_dim)
     if paged:
         _move_rows(k_cache, slots[slots >= 0], block_size, cos, sin, options)
         return k_cache
-    index = valid.nonzero(as_tuple=True)[0], pos[valid]
+    index = valid.nonzero(as_tuple=True)[0], pos.expand(batch, -1)[valid]
     if seq_axis == 2:
         index = (index[0], slice(None), index[1])
     keys = k_cache[index]  # gathered (keys, kv_heads, head_dim)
