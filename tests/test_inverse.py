@@ -286,3 +286,26 @@ def test_a_backend_whose_prepared_predates_inverse_still_runs_it():
     for _ in range(3):
         assert torch.equal(ropekit.apply_rotary(x, cos, sin, inverse=True, backend="older"), want)
     assert calls and all(calls)
+
+
+def test_inverse_traces_fullgraph_forward_and_backward():
+    """``torch.compile(fullgraph=True)`` keeps the inverse as the operator with ``conjugate=True``; the same values."""
+    inv_freq = base_inv_freq(16)
+    cos_table, sin_table = cos_sin(torch.arange(32), inv_freq)
+    positions = torch.tensor([3, 9, 27])
+
+    def f(q, k):
+        return ropekit.rotate_qk(q, k, cos_table, sin_table, positions=positions, tensor_format="bhsd", inverse=True)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    q = torch.randn(1, 2, 3, 16, requires_grad=True)
+    k = torch.randn(1, 1, 3, 16, requires_grad=True)
+    got = compiled(q, k)
+    want = f(q, k)
+    for a, b, x in zip(got, want, (q, k), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert (a.double() - apply_reference(x, -positions, inv_freq)).abs().max() < 1e-5
+    (grad_q,) = torch.autograd.grad(got[0].sum(), q)
+    ones = torch.ones_like(q)
+    torch.testing.assert_close(grad_q, ropekit.rotate(ones, cos_table, sin_table, positions=positions,
+                                                      tensor_format="bhsd"), rtol=0, atol=1e-6)
