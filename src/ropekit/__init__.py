@@ -39,6 +39,8 @@ _EXPORTS = {
     "rms_norm_rotary_qk": "fused.norm",
     "rotate_into_cache": "fused.cache",
     "slot_mapping": "fused.cache",
+    "rerotate_cache": "fused.rerotate",
+    "context_shift": "fused.rerotate",
     "channel_permutation": "rope.layouts",
     "convert_layout": "rope.layouts",
     "permute_qk_weight": "rope.layouts",
@@ -61,6 +63,7 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "base_inv_freq",
     "channel_permutation",
     "checkpoints",
+    "context_shift",
     "convert_layout",
     "cos_sin",
     "detect_layout",
@@ -71,6 +74,7 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "nn",
     "ops",
     "permute_qk_weight",
+    "rerotate_cache",
     "rms_norm_rotary",
     "rms_norm_rotary_qk",
     "rotate",
@@ -89,6 +93,7 @@ if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names a
     from .config.schedules import LayerSchedule
     from .functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
     from .fused import rms_norm_rotary, rms_norm_rotary_qk, rotate_into_cache, slot_mapping
+    from .fused.rerotate import context_shift, rerotate_cache
     from .nn.rotary import RotaryEmbedding
     from .ops.reference import apply_reference, rotation_matrix
     from .rope.axes import AxisPlan

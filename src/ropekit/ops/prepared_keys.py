@@ -34,14 +34,15 @@ _WEIGHTS = frozenset((Tensor, Parameter, type(None)))  # what an optional weight
 _COLD = (None, None)
 
 
-def apply_rotary(x, cos, sin, layout, inplace, backend) -> tuple:
+def apply_rotary(x, cos, sin, layout, inplace, inverse, backend) -> tuple:
     """``(key, call)`` of ``apply_rotary``; the call takes ``(x, cos, sin)``."""
     if (_is_compiling() or type(x) is not Tensor or type(cos) is not Tensor or type(sin) is not Tensor
             or x is cos or x is sin or cos is sin
             or (_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad))):
         return _COLD
     try:
-        key = ("apply_rotary", layout, type(layout), inplace, type(inplace), backend, type(backend),
+        key = ("apply_rotary", layout, type(layout), inplace, type(inplace), inverse, type(inverse), backend,
+               type(backend),
                x.shape, x.is_contiguous() or x.stride(), x.dtype, x.is_cpu or x.device,
                cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
                sin.shape, sin.is_contiguous() or sin.stride(), sin.dtype, sin.is_cpu or sin.device)
@@ -58,14 +59,15 @@ def apply_rotary(x, cos, sin, layout, inplace, backend) -> tuple:
     return key, call
 
 
-def apply_rotary_qk(q, k, cos, sin, layout, inplace, backend) -> tuple:
+def apply_rotary_qk(q, k, cos, sin, layout, inplace, inverse, backend) -> tuple:
     """``(key, call)`` of ``apply_rotary_qk``; the call takes ``(q, k, cos, sin)``."""
     if (_is_compiling() or type(q) is not Tensor or type(k) is not Tensor or type(cos) is not Tensor
             or type(sin) is not Tensor or q is k or q is cos or q is sin or k is cos or k is sin or cos is sin
             or (_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad))):
         return _COLD
     try:
-        key = ("apply_rotary_qk", layout, type(layout), inplace, type(inplace), backend, type(backend),
+        key = ("apply_rotary_qk", layout, type(layout), inplace, type(inplace), inverse, type(inverse), backend,
+               type(backend),
                q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
                k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device,
                cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
@@ -231,7 +233,8 @@ def rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight,
     return key, call
 
 
-def rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layout, inplace, backend) -> tuple:
+def rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layout, inplace, inverse,
+              backend) -> tuple:
     """``(key, call)`` of ``rotate_qk`` by one int offset; the call takes ``(q, k, cos_table, sin_table, offsets)``.
 
     Only a call without ``positions``, ``cu_seqlens``, ``max_seqlen`` and ``head_size`` (the caller
@@ -246,8 +249,8 @@ def rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layou
                                      or sin_table.requires_grad))):
         return _COLD
     try:
-        key = ("rotate_qk", layout, type(layout), inplace, type(inplace), backend, type(backend), tensor_format,
-               type(tensor_format), seq_dim, type(seq_dim),
+        key = ("rotate_qk", layout, type(layout), inplace, type(inplace), inverse, type(inverse), backend,
+               type(backend), tensor_format, type(tensor_format), seq_dim, type(seq_dim),
                q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
                k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device,
                cos_table.shape, cos_table.is_contiguous() or cos_table.stride(), cos_table.dtype,
@@ -274,7 +277,7 @@ def rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layou
 _COLD_MODULE = (None, None, None, None)
 
 
-def rotary_embedding(tables, version, q, k, offset, tensor_format, seq_dim, inplace) -> tuple:
+def rotary_embedding(tables, version, q, k, offset, tensor_format, seq_dim, inplace, inverse) -> tuple:
     """``(key, call, cos_table, sin_table)`` of ``RotaryEmbedding.forward(q, k, offset=offset)`` (int offset).
 
     The module passes its cached ``tables`` (device -> (cos, sin)) and its ``version``: a number
@@ -290,8 +293,8 @@ def rotary_embedding(tables, version, q, k, offset, tensor_format, seq_dim, inpl
             or (_grad_enabled() and (q.requires_grad or k.requires_grad))):
         return _COLD_MODULE
     try:
-        key = ("RotaryEmbedding", version, inplace, type(inplace), tensor_format, type(tensor_format), seq_dim,
-               type(seq_dim),
+        key = ("RotaryEmbedding", version, inplace, type(inplace), inverse, type(inverse), tensor_format,
+               type(tensor_format), seq_dim, type(seq_dim),
                q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
                k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device)
         entry = calls.get(key)
