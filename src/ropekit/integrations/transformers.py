@@ -21,7 +21,10 @@ models of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (multi-axis M-RoPE). :func:`patch`:
   into the rotation (:mod:`.transformers_norms`): q and k are normalised and rotated in one pass
   by :func:`ropekit.rms_norm_rotary_qk` (``fuse=False`` keeps transformers' norms);
 * with a cache from :func:`static_cache`, rotates the new keys straight into the cache's slots
-  (:mod:`.transformers_cache`).
+  (:mod:`.transformers_cache`);
+* for DeepSeek-V3's MLA (and its copies), replaces the modeling module's
+  ``apply_rotary_pos_emb_interleave`` too (:mod:`.transformers_mla`): the interleaved rope slices
+  of ``rope_interleave: true`` configs are rotated by :func:`ropekit.mla.apply_rotary_mla`.
 
 :func:`unpatch` removes the overrides; the model is then exactly as before (same outputs, bit for bit).
 :func:`load_converted` loads a directory written by ``ropekit convert`` whose q/k rows are in a
@@ -47,6 +50,7 @@ from ..fused import rms_norm_rotary, rms_norm_rotary_qk
 from ..rope.axes import AxisPlan
 from ..rope.frequencies import cos_sin
 from ..validation import check_layout
+from . import transformers_mla as mla
 from . import transformers_norms as norms
 from .transformers_norms import Call, current
 
@@ -215,7 +219,7 @@ def _frequencies(model: torch.nn.Module, rope: RopeConfig | None, rotary: list,
     first = own[layer_types[0]]
     own_axes = first.axes.n_axes if first.axes else 1
     if rope is None:
-        for cfg in own.values() if layout is None else ():
+        for cfg in own.values() if layout is None and not mla.rotates_interleaved_itself(model) else ():
             if cfg.layout != "half":
                 # e.g. rope_interleave configs: their modeling code may rotate in its own way; be explicit
                 raise ValueError(f"{type(model).__name__}'s config implies layout {cfg.layout!r}; pass layout= (or "
@@ -320,6 +324,7 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, layout: str
             _INSTALLED[name] = [mod.apply_rotary_pos_emb, 0]
             mod.apply_rotary_pos_emb = _dispatcher(mod.apply_rotary_pos_emb)
         _INSTALLED[name][1] += 1
+        mla.install(name)  # DeepSeek MLA's apply_rotary_pos_emb_interleave, where the modeling module has one
     setattr(model, _STATE, {"rotary": rotary, "attention": attention, "norms": deferred, "modules": modules,
                             "rope": rope})
     return model
@@ -333,6 +338,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     for m in state["rotary"] + state["attention"] + state["norms"]:
         m.__dict__.pop("forward", None)
     for name in state["modules"]:
+        mla.uninstall(name)
         entry = _INSTALLED[name]
         entry[1] -= 1
         if entry[1] == 0:
