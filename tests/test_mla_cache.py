@@ -218,3 +218,57 @@ def test_every_backend_writes_the_same_bits_and_an_unknown_one_is_refused_before
     with pytest.raises(ValueError, match="backend"):
         mla.rotate_into_mla_cache(kv_c, k_pe, cos, sin, kv_cache, pe_cache, 1, layout="half", backend="nonesuch")
     assert (kv_cache == SENTINEL).all() and (pe_cache == SENTINEL).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_warm_call_is_a_cold_call(backend, paged):
+    """After a valid call of a signature, calls of the same signature raise (and write) exactly what cold ones do."""
+    from ropekit.ops import prepared
+
+    gen = torch.Generator().manual_seed(8)
+    kv_c, k_pe = torch.randn(2, 2, RANK, generator=gen), torch.randn(2, 2, ROPE, generator=gen)
+    cos, sin = tables(torch.arange(2))
+    opts = dict(layout="interleaved", output_layout="half", backend=backend)
+    if paged:
+        kv_c, k_pe, cos, sin = kv_c.view(4, RANK), k_pe.view(4, ROPE), cos.repeat(2, 1), sin.repeat(2, 1)
+        opts["block_size"] = 4
+    shape = (3, 4) if paged else (2, 6)
+    good = torch.tensor([0, 5, 6, 11]) if paged else torch.tensor([1, 3])
+    bad = [torch.tensor([0, 5, 6, 12]) if paged else torch.tensor([1, 5])]  # one slot past the caches
+    if not paged:
+        bad += [5, -1, torch.tensor([-1, 0])]
+
+    def outcome(slots, warm, kv_cache=None, pe_cache=None, k=None):
+        if not warm:
+            prepared.clear()
+        if kv_cache is None:
+            kv_cache, pe_cache = caches(shape)
+        try:
+            mla.rotate_into_mla_cache(kv_c, k_pe if k is None else k, cos, sin, kv_cache, pe_cache, slots, **opts)
+        except (ValueError, TypeError) as error:
+            result = (type(error), str(error))
+        else:
+            result = None
+        return result, torch.cat((kv_cache, pe_cache), -1)
+
+    outcome(good, warm=False)  # the signature's call is kept from here on
+    for slots in [good, *bad]:
+        warm, cold = outcome(slots, warm=True), outcome(slots, warm=False)
+        assert warm[0] == cold[0] and torch.equal(warm[1], cold[1])
+        assert (warm[0] is None) == (slots is good)
+        outcome(good, warm=True)
+    # the same signatures with memory shared, on warm calls: two overlapping views of one buffer as the caches
+    # (a disjoint pair of the same shapes and strides made the signature warm), then a key inside its own cache
+    disjoint, overlapping = (torch.full((*shape, RANK + ROPE), SENTINEL) for _ in range(2))
+    assert outcome(good, warm=False, kv_cache=disjoint[..., :RANK], pe_cache=disjoint[..., RANK:])[0] is None
+    result = outcome(good, warm=True, kv_cache=overlapping[..., :RANK], pe_cache=overlapping[..., RANK - ROPE:RANK])
+    assert result[0] == (ValueError, result[0][1]) and "kv_cache and pe_cache share memory" in result[0][1]
+    assert (overlapping == SENTINEL).all()
+    kv_cache, pe_cache = caches(shape)
+    assert outcome(good, warm=False, kv_cache=kv_cache, pe_cache=pe_cache)[0] is None
+    inside = pe_cache.view(-1)[:k_pe.numel()].view(k_pe.shape)  # contiguous, like k_pe: the same signature
+    before = pe_cache.clone()
+    result = outcome(good, warm=True, kv_cache=kv_cache, pe_cache=pe_cache, k=inside)
+    assert result[0][0] is ValueError and "pe_cache and k_pe share memory" in result[0][1]
+    assert torch.equal(pe_cache, before)

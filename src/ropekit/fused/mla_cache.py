@@ -27,11 +27,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..functional import apply_rotary
+from ..ops import prepared, prepared_keys
 from ..ops.dispatch import check_runs, resolve
+from ..ops.dispatch import get as get_backend
 from ..ops.memory import check_not_shared
 from ..validation import check_float_tensor, check_layout, check_tables
-from .mla import check_rotary_width, place_rope
+from .mla import check_rotary_width, pairs_view, place_rope
 
 
 def _check_block_size(block_size: int | None) -> int:
@@ -80,9 +81,8 @@ def _check_caches(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, pe_cache: Tensor
             raise ValueError(f"{name} is on {t.device} but k_pe is on {k_pe.device}")
 
 
-def _check_slots(slots: int | Tensor, k_pe: Tensor, kv_cache: Tensor, block_size: int) -> tuple[Tensor | None, int,
-                                                                                                 int, int]:
-    """``(slots tensor or None, start, low, high)``: every slot checked against the caches.
+def _check_slots(slots: int | Tensor, k_pe: Tensor, kv_cache: Tensor, block_size: int) -> None:
+    """Raise unless ``slots`` is an int or an integer tensor of the layout's shape whose every slot fits the caches.
 
     Contiguous: starts in ``[0, max_length - seq]``; paged: slots below ``num_blocks *
     block_size`` (negative: padding). A CUDA slots tensor is read back for this.
@@ -94,7 +94,6 @@ def _check_slots(slots: int | Tensor, k_pe: Tensor, kv_cache: Tensor, block_size
             raise ValueError(f"slots must be a (tokens,) integer tensor (a slot mapping) for the paged layout, got the "
                              f"int {slots}")
         low = high = slots
-        tensor = None
     else:
         if slots.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"slots must be an int32 or int64 tensor, got {slots.dtype}")
@@ -105,9 +104,8 @@ def _check_slots(slots: int | Tensor, k_pe: Tensor, kv_cache: Tensor, block_size
         if slots.device != k_pe.device:
             raise ValueError(f"slots is on {slots.device} but k_pe is on {k_pe.device}")
         if not slots.numel():
-            return slots, 0, 0, -1
+            return
         low, high = (int(v) for v in torch.aminmax(slots.reshape(-1)))
-        tensor = slots
     if block_size:
         capacity = kv_cache.shape[0] * kv_cache.shape[1]
         if high >= capacity:
@@ -118,24 +116,76 @@ def _check_slots(slots: int | Tensor, k_pe: Tensor, kv_cache: Tensor, block_size
         if low < 0 or high > length - seq:
             raise ValueError(f"slots must be starts in [0, max_length - seq] = [0, {length - seq}] (the caches hold "
                              f"{length} positions, k_pe {seq} new tokens), got {low if low < 0 else high}")
-    return tensor, low, low, high
 
 
-def _rotated(k_pe: Tensor, cos: Tensor, sin: Tensor, layout: str, output_layout: str, backend: str) -> Tensor:
-    """A new tensor: k_pe placed in ``output_layout`` and rotated there."""
-    out = torch.empty(k_pe.shape, dtype=k_pe.dtype, device=k_pe.device)
-    place_rope(out, k_pe, layout, output_layout)
-    return apply_rotary(out, cos, sin, layout=output_layout, inplace=True, backend=backend)
-
-
-def _scatter(cache: Tensor, slots: Tensor, rows: Tensor, block_size: int) -> None:
-    """``rows`` ``(n, channels)`` into the slots ``(n,)`` (all >= 0) of a paged cache."""
+def _rows(cache: Tensor) -> Tensor | None:
+    """A paged cache viewed as ``(num_blocks * block_size, channels)`` rows, or None when its strides forbid it."""
     try:
-        flat = cache.view(-1, cache.shape[-1])  # a view when blocks and rows are evenly strided (any slice of a buffer)
+        return cache.view(-1, cache.shape[-1])  # a view when blocks and rows are evenly strided (any slice of a buffer)
     except RuntimeError:
-        cache.index_put_((slots // block_size, slots % block_size), rows)
-        return
-    flat.index_copy_(0, slots, rows)
+        return None
+
+
+def _writer(like: tuple, layout: str, output_layout: str, block_size: int, backend: str):
+    """``write(kv_c, k_pe, cos, sin, kv_cache, pe_cache, slots) -> bool`` for arguments like ``like`` (all checked).
+
+    Kept as the prepared call of their signature: it checks the slots' values (the only thing
+    the signature does not fix) and returns False, writing nothing, for one outside the caches.
+    The rotations are the backend's prepared calls: in place for the key where it lands (a slice
+    of ``pe_cache``, placed there in ``output_layout``), else into a new tensor in ``layout``,
+    scattered into a view of ``pe_cache`` that puts each pair where ``output_layout`` wants it.
+    """
+    kv_c, k_pe, cos, sin, kv_cache, pe_cache, _ = like
+    kernel = get_backend(backend)
+    seq = 0 if block_size else k_pe.shape[1]
+    capacity, last_start = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[1] - seq
+    rotate_landed = None if block_size else kernel.prepared((pe_cache.narrow(1, 0, seq), cos, sin),
+                                                            layout=output_layout, inplace=True)
+    rotate_new = kernel.prepared((k_pe, cos, sin), layout=layout, inplace=False)
+    reorder = layout != output_layout
+    as_rows = bool(block_size) and _rows(kv_cache) is not None and _rows(pe_cache) is not None
+
+    def write(kv_c, k_pe, cos, sin, kv_cache, pe_cache, slots) -> bool:
+        count = 1 if type(slots) is int else slots.numel()
+        if count == 0:
+            return True
+        if count == 1:
+            low = high = int(slots)
+        else:
+            low, high = (int(v) for v in torch.aminmax(slots))
+        if (high >= capacity) if block_size else (low < 0 or high > last_start):
+            return False
+        if not block_size and low == high:  # one slice of each cache: the key is rotated where it lands
+            kv_cache.narrow(1, low, seq).copy_(kv_c)
+            landed = pe_cache.narrow(1, low, seq)
+            place_rope(landed, k_pe, layout, output_layout)
+            rotate_landed(landed, cos, sin)
+            return True
+        rotated = rotate_new(k_pe, cos, sin)
+        index = slots if slots.dtype is torch.int64 else slots.long()
+        if block_size and low < 0:  # padding tokens are not written
+            keep = index >= 0
+            index, kv_c, rotated = index[keep], kv_c[keep], rotated[keep]
+        if block_size and as_rows:
+            kv_target, pe_target = kv_cache.view(-1, kv_cache.shape[-1]), pe_cache.view(-1, pe_cache.shape[-1])
+        else:
+            kv_target, pe_target = kv_cache, pe_cache
+        if reorder:  # each pair lands where output_layout wants it
+            pe_target, rotated = pairs_view(pe_target, output_layout), pairs_view(rotated, layout)
+        if block_size and as_rows:
+            kv_target.index_copy_(0, index, kv_c)
+            pe_target.index_copy_(0, index, rotated)
+            return True
+        if block_size:
+            where = (index // block_size, index % block_size)
+        else:  # one start per row
+            where = (torch.arange(k_pe.shape[0], device=k_pe.device)[:, None],
+                     index[:, None] + torch.arange(seq, device=k_pe.device))
+        kv_target.index_put_(where, kv_c)
+        pe_target.index_put_(where, rotated)
+        return True
+
+    return write
 
 
 def rotate_into_mla_cache(
@@ -180,6 +230,10 @@ def rotate_into_mla_cache(
             input, inputs that require grad (a cache write has no autograd). All checked before
             anything is written (a CUDA slots tensor is read back for this).
     """
+    key, run = prepared_keys.rotate_into_mla_cache(kv_c, k_pe, cos, sin, kv_cache, pe_cache, slots, layout,
+                                                   output_layout, block_size, backend)  # the options as given
+    if run is not None and run(kv_c, k_pe, cos, sin, kv_cache, pe_cache, slots):
+        return  # a call of a checked signature whose slots fit (else the checks below raise)
     layout = check_layout(layout)
     output_layout = layout if output_layout is None else check_layout(output_layout, "output_layout")
     paged_block = _check_block_size(block_size)
@@ -189,7 +243,7 @@ def rotate_into_mla_cache(
     for name, t in (("cos", cos), ("sin", sin)):
         if t.device != k_pe.device:
             raise ValueError(f"{name} is on {t.device} but k_pe is on {k_pe.device}")
-    slot_tensor, start, low, high = _check_slots(slots, k_pe, kv_cache, paged_block)
+    _check_slots(slots, k_pe, kv_cache, paged_block)
     check_not_shared({"kv_cache": kv_cache, "pe_cache": pe_cache},
                      {"kv_c": kv_c, "k_pe": k_pe, "cos": cos, "sin": sin, "slots": slots}, "rotate_into_mla_cache")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (kv_c, k_pe, cos, sin)):
@@ -197,26 +251,7 @@ def rotate_into_mla_cache(
                          "pass detached tensors)")
     name = resolve(backend, k_pe.device.type)
     check_runs(backend, name, {"k_pe": k_pe, "pe_cache": pe_cache})
-    if high < low:  # no token
-        return
-    if not paged_block and low == high:  # one slice of each cache: the key is rotated where it lands
-        seq = k_pe.shape[1]
-        kv_cache[:, start:start + seq].copy_(kv_c)
-        landed = pe_cache[:, start:start + seq]
-        place_rope(landed, k_pe, layout, output_layout)
-        apply_rotary(landed, cos, sin, layout=output_layout, inplace=True, backend=name)
-        return
-    rotated = _rotated(k_pe, cos, sin, layout, output_layout, name)
-    index = slot_tensor.to(torch.int64)
-    if not paged_block:  # one start per row
-        seq = k_pe.shape[1]
-        rows = torch.arange(k_pe.shape[0], device=k_pe.device)[:, None]
-        columns = index[:, None] + torch.arange(seq, device=k_pe.device)
-        kv_cache.index_put_((rows, columns), kv_c)
-        pe_cache.index_put_((rows, columns), rotated)
-        return
-    if low < 0:  # padding tokens are not written
-        keep = index >= 0
-        index, kv_c, rotated = index[keep], kv_c[keep], rotated[keep]
-    _scatter(kv_cache, index, kv_c, paged_block)
-    _scatter(pe_cache, index, rotated, paged_block)
+    tensors = (kv_c, k_pe, cos, sin, kv_cache, pe_cache, slots)
+    write = _writer(tensors, layout, output_layout, paged_block, name)
+    prepared.keep(key, write, (kv_cache, pe_cache, kv_c, k_pe, cos, sin, slots))
+    write(*tensors)
