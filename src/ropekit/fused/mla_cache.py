@@ -18,7 +18,8 @@ both into their slots, with the same two layouts as :func:`ropekit.rotate_into_c
 The key is rotated where it lands when its rows form one slice of the cache (the contiguous
 layout with one start for every row: copied into its slots, then rotated in place there, with
 no tensor of its own); otherwise it is rotated into a fresh tensor and scattered. Everything is
-checked before anything is written. Built on the public rotation (:func:`ropekit.apply_rotary`):
+checked before anything is written. Built on the backends' ``apply_rotary`` (the calls
+``Backend.prepared`` gives for the signature, kept as the prepared call of this entry point):
 every backend serves it, the eager ``"torch"`` one too.
 """
 
