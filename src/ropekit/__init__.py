@@ -47,7 +47,7 @@ _EXPORTS = {
     "LayoutEvidence": "rope.pairing",
     "detect_layout": "rope.pairing",
 }
-_SUBMODULES = ("checkpoints", "distributed", "integrations", "multiaxis", "nn", "ops", "scaling")
+_SUBMODULES = ("checkpoints", "distributed", "integrations", "mla", "multiaxis", "nn", "ops", "scaling")
 # deprecated public names (one release): old name -> (where the value lives now, what to write instead)
 _MOVED = {"backends": ("ropekit.ops", "ropekit.ops (available, register, get, resolve)")}
 
@@ -70,6 +70,7 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "distributed",
     "integrations",
     "inv_frequencies",
+    "mla",
     "multiaxis",
     "nn",
     "ops",
@@ -87,7 +88,7 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
 ]
 
 if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names are imported on first use
-    from . import checkpoints, distributed, integrations, multiaxis, nn, ops, scaling
+    from . import checkpoints, distributed, integrations, mla, multiaxis, nn, ops, scaling
     from .config import RopeConfig
     from .config.rules import inv_frequencies
     from .config.schedules import LayerSchedule

@@ -26,6 +26,9 @@ models of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (multi-axis M-RoPE). :func:`patch`:
   model's schedule and refuses, at patch time and at run time, a NoPE layer that would rotate or
   a RoPE layer that would not (:mod:`.transformers_schedules`). Llama 4's text model, whose rotation
   is a complex product (``freqs_cis``, ``apply_rotary_emb``), is patched by :mod:`.transformers_llama4`.
+* for DeepSeek-V3's MLA (and its copies), replaces the modeling module's
+  ``apply_rotary_pos_emb_interleave`` too (:mod:`.transformers_mla`): the interleaved rope slices
+  of ``rope_interleave: true`` configs are rotated by :func:`ropekit.mla.apply_rotary_mla`.
 
 :func:`unpatch` removes the overrides; the model is then exactly as before (same outputs, bit for bit).
 :func:`load_converted` loads a directory written by ``ropekit convert`` whose q/k rows are in a
@@ -53,6 +56,7 @@ from ..rope.axes import AxisPlan
 from ..rope.frequencies import cos_sin
 from ..validation import check_layout
 from . import transformers_llama4 as llama4
+from . import transformers_mla as mla
 from . import transformers_norms as norms
 from . import transformers_schedules as schedules
 from .transformers_norms import Call, current
@@ -225,7 +229,7 @@ def _frequencies(model: torch.nn.Module, rope: RopeConfig | None, rotary: list,
     first = own[layer_types[0]]
     own_axes = first.axes.n_axes if first.axes else 1
     if rope is None:
-        for cfg in own.values() if layout is None else ():
+        for cfg in own.values() if layout is None and not mla.rotates_interleaved_itself(model) else ():
             if cfg.layout != modeling_layout(getattr(model.config, "model_type", None)):
                 # e.g. rope_interleave configs: their modeling code may rotate in its own way; be explicit
                 raise ValueError(f"{type(model).__name__}'s config implies layout {cfg.layout!r}; pass layout= (or "
@@ -343,6 +347,7 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, layout: str
             _INSTALLED[name] = [mod.apply_rotary_pos_emb, 0]
             mod.apply_rotary_pos_emb = _dispatcher(mod.apply_rotary_pos_emb)
         _INSTALLED[name][1] += 1
+        mla.install(name)  # DeepSeek MLA's apply_rotary_pos_emb_interleave, where the modeling module has one
     setattr(model, _STATE, {"rotary": rotary, "attention": attention, "norms": deferred, "modules": modules,
                             "rope": rope})
     return model
@@ -356,6 +361,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     for m in state["rotary"] + state["attention"] + state["norms"]:
         m.__dict__.pop("forward", None)
     for name in state["modules"]:
+        mla.uninstall(name)
         entry = _INSTALLED[name]
         entry[1] -= 1
         if entry[1] == 0:
