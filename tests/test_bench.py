@@ -4,10 +4,12 @@ Never the timings themselves: the stopping rule runs on a fake clock, the flaggi
 busy notice on synthetic timings.
 """
 
+import importlib.util
 import io
 import json
 import random
 from contextlib import redirect_stdout
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -471,3 +473,64 @@ def test_a_peer_computing_something_else_is_refused_before_anything_is_timed(mon
     with pytest.raises(RuntimeError, match=f"bench row '{row}' is off the float64 reference"):
         bench.run(shapes=(bench.Shape("decode", 2, 4, 2, 1, 16),), dtypes=(torch.bfloat16,), device="cpu", repeats=1,
                   compile_peer=False, budget_s=0)
+
+
+# -- benchmarks/ipex_peer.py: its rows and checks, with a stand-in for IPEX (IPEX needs a torch of its own) ----
+
+
+def load_ipex_peer():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ipex_peer.py"
+    spec = importlib.util.spec_from_file_location("ipex_peer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class StandInIpex:
+    """IPEX's two entry points as it documents them ((b, s, h, d) q and k, full-width float32 tables)."""
+
+    __version__ = "stand-in"
+
+    def __init__(self, rotate_module=True):
+        outer = self
+
+        class RotaryEmbedding(torch.nn.Module):
+            def __init__(self, max_positions, dim, base=10000, backbone=None):
+                super().__init__()
+                self.rope = ropekit.RotaryEmbedding(dim, base=base)
+
+            def forward(self, x, position_ids, num_head, head_dim, offset, rotary_ndims):
+                assert offset == head_dim // 2 == rotary_ndims // 2 and x.shape[-2:] == (num_head, head_dim)
+                if not outer.rotate_module:
+                    return x.clone()
+                cos, sin = self.rope.cos_sin(position_ids)  # (b, s, d/2)
+                return ropekit.apply_rotary(x, cos[:, :, None], sin[:, :, None])
+
+        def rotary_embedding(query, key, sin, cos, rotary_dim, rotary_half):
+            assert rotary_half and rotary_dim == query.shape[-1] == sin.shape[-1]
+            half = sin.shape[-1] // 2
+            return ropekit.apply_rotary_qk(query, key, cos[:, None, :half], sin[:, None, :half], inplace=True)
+
+        self.rotate_module = rotate_module
+        self.llm = type("llm", (), {"modules": type("modules", (), {"RotaryEmbedding": RotaryEmbedding}),
+                                    "functional": type("functional", (), {"rotary_embedding": rotary_embedding})})
+
+
+def test_ipex_peer_times_each_form_beside_ropekit_and_the_floors_after_checking_it():
+    ipex_peer = load_ipex_peer()
+    shapes = (bench.Shape("decode", 2, 4, 2, 1, 16), bench.Shape("prefill", 1, 2, 2, 8, 16))
+    rows = ipex_peer.run(shapes, (torch.float32, torch.bfloat16), 1, 0.0, StandInIpex())
+    assert len(rows) == 2 * 2 * len(ipex_peer.ROWS)
+    assert [r["shape"] for r in rows[::len(ipex_peer.ROWS)]] == ["decode", "decode", "prefill", "prefill"]
+    by = {(r["shape"], r["dtype"], r["impl"], r["mode"]): r for r in rows}
+    for shape in ("decode", "prefill"):
+        for dtype in ("float32", "bfloat16"):
+            assert by[(shape, dtype, "IPEX llm.functional.rotary_embedding", "in-place")]["ratio_ipex"] == 1.0
+            assert by[(shape, dtype, "IPEX llm.modules.RotaryEmbedding", "out-of-place")]["ratio_ipex"] == 1.0
+            assert by[(shape, dtype, "copy (x.clone)", "out-of-place")]["ratio_copy"] == 1.0
+            assert by[(shape, dtype, "ropekit RotaryEmbedding", "out-of-place")]["ms"] > 0
+
+    with pytest.raises(RuntimeError, match="'IPEX llm.modules.RotaryEmbedding' is off the float64 reference"):
+        ipex_peer.run(shapes[:1], (torch.float32,), 1, 0.0, StandInIpex(rotate_module=False))
+    if importlib.util.find_spec("intel_extension_for_pytorch") is None:  # said in one line, exit 2
+        assert ipex_peer.main(["--quick"]) == 2
