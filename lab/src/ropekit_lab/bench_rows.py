@@ -90,6 +90,8 @@ COLUMNS = (
     ("ms", "wall time of one call on q and k, in milliseconds: the lower quartile of the repeats, interleaved "
            "with the other calls of the same shape and dtype"),
     ("± %", "uncertainty of ms: half-width of its 95% confidence interval, as a percentage of it"),
+    ("spread %", "spread of the repeats: their interquartile range as a percentage of their median (a busy machine "
+                 "keeps it wide however long one measures)"),
     ("GB/s", "bytes read and written (q and k, once each way) per second, at ms"),
     ("× copy speed", "floor time / this time: 1 = as fast as moving the same bytes, the best a rotation can do "
                      "up to noise"),
@@ -184,13 +186,13 @@ def format_table(rows: list[dict]) -> str:
     notice = busy_notice(rows)
     lines = [notice] if notice else []
     lines += ["| " + " | ".join(name for name, _ in COLUMNS) + " |",
-              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     shown = set()
     for r in rows:
         flags = shown_flags(r, notice is not None)
         shown.update(flags)
         cells = [r["shape"], r["dtype"], r["impl"], r["mode"], f"{r['ms']:.3f}", _number(r.get("error_pct"), 1),
-                 f"{r['gbps']:.1f}", f"{r['ratio_copy']:.2f}", _number(r["ratio_hf"], 1),
+                 _number(r.get("spread_pct"), 0), f"{r['gbps']:.1f}", f"{r['ratio_copy']:.2f}", _number(r["ratio_hf"], 1),
                  _number(r["saved_mb"], 1), _number(r.get("peak_mb"), 1), ", ".join(flags)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [f"{flag}: {FLAGS[flag]}" for flag in FLAGS if flag in shown]
