@@ -258,3 +258,39 @@ def test_bad_input_is_one_line_and_exit_code_2(llama, tmp_path, capsys):
     assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
     assert not (llama / "copy").exists() and _sha(llama) == before
     assert list((tmp_path / "exists").iterdir()) == []
+
+
+def test_ctrl_c_during_a_forward_is_one_line_exit_130_and_leaves_no_output(tmp_path):
+    """A real SIGINT while the progress bar counts layers: one line, exit 130, neither output folder nor copy."""
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    model = tiny_model_dir(tmp_path / "slow", num_hidden_layers=24, max_position_embeddings=1024)
+    text = tmp_path / "long.txt"
+    text.write_text(PROMPT * 200)
+    src = Path(__file__).resolve().parent.parent / "src"
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(src), os.environ.get("PYTHONPATH")]))}
+    out, dst = tmp_path / "new" / "extend", tmp_path / "copy"
+    proc = subprocess.Popen([sys.executable, "-m", "ropekit", "extend", "--model", str(model), "--to", "4096",
+                             "--text", str(text), "--texts", "1", "--out", str(out), "--write-config", str(dst)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    seen, deadline = b"", time.monotonic() + 240
+    try:
+        while b"layers" not in seen:  # the progress bar: a forward is under way
+            assert time.monotonic() < deadline and proc.poll() is None, seen[-500:]
+            if select.select([proc.stderr], [], [], 0.5)[0]:
+                seen += os.read(proc.stderr.fileno(), 4096)
+        proc.send_signal(signal.SIGINT)
+        stdout, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    err = (seen + err).decode()
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1].split("\r")[-1] == "ropekit extend: interrupted" and "Traceback" not in err
+    assert stdout == b"" and not (tmp_path / "new").exists() and not dst.exists()

@@ -102,11 +102,18 @@ class _Page:
                    ("pairs compressed", "pairs that turned in training whose frequency the rule lowers (coarser "
                                         "local order)"),
                    ("what it does", "the rule's parameters")]
-        body = table(columns, rows, name="rules", text_columns=(0, 7), stack="phone")
+        body = table(columns, rows, name="rules", text_columns=(0, 7), stack="tablet")
         body += self.figure("buckets", lambda: buckets_figure(self.doc),
                             "Perplexity of the text tokens in each position bucket of the windows, per rule. Where "
                             "a line rises past the dashed trained context, the rule breaks.",
                             "perplexity against position per rule")
+        edges = self.doc["buckets"]
+        spans = zip(edges[:-1], edges[1:], strict=True)
+        columns = [("rule", "the scaling rule"),
+                   *[(f"{a}\u2013{b}", f"perplexity of the text tokens at positions {a} to {b - 1}") for a, b in spans]]
+        rows = [[esc(r["name"]), *[esc(_fmt(b["ppl"])) for b in r["buckets"]]] for r in self.doc["rules"]]
+        body += table(columns, rows, name="buckets", text_columns=(0,), stack="tablet",
+                      intro="Perplexity by position bucket (the numbers of the figure).")
         self.sections.append(("rules", "Every rule, measured", body))
 
     def pairs(self) -> None:

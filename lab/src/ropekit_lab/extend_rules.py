@@ -18,7 +18,7 @@ probe      YaRN with ``beta_fast = beta_slow = 1`` and no attention factor  ``ya
 ``ntk`` is written as a new base because transformers has no ``"ntk"`` rope type: ``b' = b *
 s ** (d / (d - 2))`` is exactly the rule (:class:`~ropekit.scaling.NTK`). ``dynamic`` keeps
 ``max_position_embeddings = L`` in the written config (transformers takes its ``L`` from there);
-the others set it to ``T``.
+``none`` leaves the model's own value; the others set it to ``T``.
 
 ``probe`` is what the probe's frequency analysis says (:func:`pair_ranges`): a pair that completes
 a rotation within ``L`` has seen every angle in training, so angles beyond ``L`` are nothing new to
@@ -81,7 +81,8 @@ def candidate(name: str, own: RopeConfig, trained: int, target: int) -> Candidat
     s = target / trained
     base, theta = own.base, {"rope_theta": own.base}
     if name == "none":
-        return Candidate(name, None, {"rope_type": "default", **theta}, trained, "plain RoPE, as trained")
+        return Candidate(name, None, {"rope_type": "default", **theta}, own.max_positions or trained,
+                         "plain RoPE, as trained")
     if name == "linear":
         return Candidate(name, Linear(s), {"rope_type": "linear", "factor": s, **theta}, target,
                          f"position interpolation: every frequency divided by {s:g}")
