@@ -97,7 +97,8 @@ def summarise_rule(candidate: Candidate, runs: list[dict[str, Any]], trained_nll
             "beyond": ppl_of(beyond) if beyond else None, "buckets": buckets,
             "passkey": {"correct": correct, "total": len(passkeys),
                         "accuracy": correct / len(passkeys) if passkeys else None, "trials": passkeys},
-            "seconds": [round(r["seconds"], 2) for r in runs]}
+            "seconds": [round(r["seconds"], 2) for r in runs],
+            "cpu_seconds": [round(r["cpu_seconds"], 2) for r in runs]}
 
 
 def choose(rows: list[dict[str, Any]], tolerance: float = TOLERANCE) -> dict[str, Any]:
@@ -179,7 +180,8 @@ def extend(loaded: Any, text_ids: torch.Tensor, *, trained: int, target: int, ru
             finally:
                 bar.close()
             runs.append({"nll": result.nll, "answer": result.answer, "correct": result.correct, "key": window.key,
-                         "depth": round(window.depth, 4), "seconds": result.seconds})
+                         "depth": round(window.depth, 4), "seconds": result.seconds,
+                         "cpu_seconds": result.cpu_seconds})
             trained_nll.append(result.nll[:trained - 1])
         if cand in extra:  # its tables at L differ from plain RoPE's and from its own at T: an L-token run each
             trained_nll = []

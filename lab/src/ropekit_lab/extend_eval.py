@@ -139,12 +139,13 @@ def layer_modules(model: Any) -> list[Any]:
 
 @dataclass
 class WindowResult:
-    """What one forward measured: per-target NLL (NaN where not text), the answer, seconds."""
+    """What one forward measured: per-target NLL (NaN where not text), the answer, wall and CPU seconds."""
 
     nll: torch.Tensor
     answer: str
     correct: bool
     seconds: float
+    cpu_seconds: float = 0.0
 
 
 def evaluate_window(model: Any, window: Window, rope: RopeConfig, tokenizer: Any, *,
@@ -154,7 +155,7 @@ def evaluate_window(model: Any, window: Window, rope: RopeConfig, tokenizer: Any
     ``nll``: float64 ``(P - 1,)``, NaN at targets that are not text (:attr:`Window.text_target`).
     ``on_layer``: called after each decoder layer of the prefill (a progress bar), or ``None``.
     """
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     hooks = []
     if on_layer is not None:
         hooks = [layer.register_forward_hook(lambda m, a, o: on_layer() if _prefill(a) else None)
@@ -173,7 +174,8 @@ def evaluate_window(model: Any, window: Window, rope: RopeConfig, tokenizer: Any
             hook.remove()
     text = tokenizer.decode(answer, skip_special_tokens=True)
     found = re.search(r"\d+", text)
-    return WindowResult(nll, text, found is not None and found.group(0) == window.key, time.perf_counter() - start)
+    return WindowResult(nll, text, found is not None and found.group(0) == window.key, time.perf_counter() - start,
+                        time.process_time() - cpu)
 
 
 def _prefill(args: tuple) -> bool:
