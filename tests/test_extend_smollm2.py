@@ -64,3 +64,23 @@ def test_the_cli_on_the_example_at_a_short_length_writes_a_config_transformers_r
     assert model.config.max_position_embeddings == doc["choice"]["max_position_embeddings"]
     for name, tensor in example.model.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def test_a_gguf_model_is_written_as_a_transformers_directory_with_the_rule(example, tmp_path, capsys):
+    from ropekit_lab.smollm2 import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    before = gguf.stat().st_mtime_ns, gguf.stat().st_size
+    dst = tmp_path / "from-gguf"
+    assert main(["extend", "--gguf", str(gguf), "--context", "128", "--to", "256", "--rules", "linear", "--texts",
+                 "1", "--json", "--no-progress", "--out", str(tmp_path / "out"), "--write-config", str(dst)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(dst)
+    rope = RopeConfig.from_hf(model.config)
+    chosen = doc["choice"]
+    assert model.config.max_position_embeddings == chosen["max_position_embeddings"]
+    want = candidate(chosen["rule"], RopeConfig.from_hf(example.model.config), 128, 256)
+    torch.testing.assert_close(rope.inv_frequencies(256)[0], want.rope(rope, 256).inv_frequencies(256)[0])
+    for name, tensor in example.model.state_dict().items():  # the GGUF's weights, as transformers reads them
+        torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    assert (gguf.stat().st_mtime_ns, gguf.stat().st_size) == before

@@ -8,8 +8,10 @@ all the model it copies.
 
 The copy holds the source directory's files (the weights copied, not linked: a link would tie the
 copy to a folder the user may move or change) with a ``config.json`` that states the chosen rule
-(:func:`ropekit_lab.extend_rules.written_config`); a ``--gguf`` model is saved as a transformers
-directory (``save_pretrained``) first. ``from_pretrained(DST)`` then runs with the rule.
+(:func:`ropekit_lab.extend_rules.written_config`); a ``--gguf`` model is written as a transformers
+directory: its dequantised float32 weights, its tokenizer, its config without the GGUF's
+``quantization_config`` (transformers' ``save_pretrained`` refuses a GGUF-loaded model).
+``from_pretrained(DST)`` then runs with the rule.
 """
 
 from __future__ import annotations
@@ -124,14 +126,17 @@ def write_config(dst: str | Path, loaded: Any, document: dict[str, Any]) -> Path
                 mode = stat.S_IMODE(file.stat().st_mode)
                 write_file(new / file.name, lambda p, file=file: _copy(file, p), mode_limit=mode)
             config = json.loads((source / "config.json").read_text(encoding="utf-8"))
-        else:  # a GGUF: transformers writes the directory, then its config is rewritten
-            saved = stage / "saved"
-            loaded.model.save_pretrained(saved)
+        else:  # a GGUF: its dequantised weights (float32) and tokenizer, as ropekit_lab.smollm2_cache writes them
+            from safetensors.torch import save_model
+
+            write_file(new / "model.safetensors", lambda p: save_model(loaded.model, str(p)))  # a tied head too
+            saved = stage / "tokenizer"
             loaded.tokenizer.save_pretrained(saved)
             for file in sorted(saved.iterdir()):
-                if file.name != "config.json" and file.is_file():
+                if file.is_file():
                     write_file(new / file.name, lambda p, file=file: _copy(file, p))
-            config = json.loads((saved / "config.json").read_text(encoding="utf-8"))
+            config = loaded.model.config.to_dict()
+            config.pop("quantization_config", None)  # the GGUF's: the copy holds float32 weights
         text = json.dumps(written_config(config, chosen), indent=2) + "\n"
         write_file(new / "config.json", lambda p: p.write_text(text, encoding="utf-8"))
         replace_directory(new, path)
