@@ -39,9 +39,9 @@ def buckets_figure(document: dict[str, Any]) -> bytes:
         ax.plot(xs, ys, marker="o", markersize=3, label=row["name"])
     ax.axvline(document["lengths"]["trained"], color="0.4", linestyle="--", linewidth=1)
     ax.set_yscale("log")
-    ax.set_xlabel("position in the window (tokens); dashed: the trained context")
+    ax.set_xlabel("position in the window (tokens)")
     ax.set_ylabel("perplexity (log scale)")
-    ax.legend(fontsize=7, ncol=4)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return png_bytes(fig)
 
 
@@ -52,15 +52,15 @@ def pairs_figure(document: dict[str, Any]) -> bytes:
     first = document["rules"][0]["pairs"]
     slow = first["slow"]
     if slow:
-        ax.axvspan(min(slow) - 0.5, max(slow) + 0.5, color="0.9", label="never a full turn in training")
+        ax.axvspan(min(slow) - 0.5, max(slow) + 0.5, color="0.9", label="slow pairs")
     for row in document["rules"]:
         ratio = row["pairs"]["angle_ratio"]
         ax.plot(range(len(ratio)), ratio, linewidth=1.2, label=row["name"])
     ax.axhline(1.0, color="0.3", linewidth=0.8)
     ax.set_yscale("log")
     ax.set_xlabel("rotary pair (fast \u2192 slow)")
-    ax.set_ylabel("max angle at target / in training")
-    ax.legend(fontsize=7, ncol=4)
+    ax.set_ylabel("max angle: target / training")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return png_bytes(fig)
 
 
@@ -104,8 +104,9 @@ class _Page:
                    ("what it does", "the rule's parameters")]
         body = table(columns, rows, name="rules", text_columns=(0, 7), stack="tablet")
         body += self.figure("buckets", lambda: buckets_figure(self.doc),
-                            "Perplexity of the text tokens in each position bucket of the windows, per rule. Where "
-                            "a line rises past the dashed trained context, the rule breaks.",
+                            "Perplexity of the text tokens in each position bucket of the windows, per rule; the "
+                            "dashed line is the trained context. Where a line rises past it, the rule breaks. The "
+                            "text itself is harder in some buckets than in others: compare rules within a bucket.",
                             "perplexity against position per rule")
         edges = self.doc["buckets"]
         spans = zip(edges[:-1], edges[1:], strict=True)
@@ -133,7 +134,8 @@ class _Page:
                       name="pairs", text_columns=(0, 1, 2))
         body += self.figure("pairs", lambda: pairs_figure(self.doc),
                             "Per pair, the largest angle the target length reaches under each rule over the "
-                            "largest angle training reached. Above 1 in the shaded band: angles never seen.",
+                            "largest angle training reached. Shaded: the slow pairs, which never complete a rotation "
+                            "in training; above 1 there, angles the model never saw.",
                             "angle ratio per pair per rule")
         self.sections.append(("pairs", "Why: the pairs out of their trained range", body))
 
