@@ -7,9 +7,11 @@ example model (``ropekit_lab.probe_models.load_example``) cut to its first ``--l
 layers, one window of that many tokens of the KJV through
 :func:`ropekit_lab.extend_eval.evaluate_window` (prefill with the KV cache, blockwise LM head, the
 greedy passkey answer), plain RoPE. Printed per length: the child's CPU seconds and wall seconds
-for the window, its peak RSS (``getrusage``), and the whole model's figures estimated from them:
-the layers' time scaled to all layers, and the peak plus the KV cache of the layers left out
-(``2 x kv_heads x head_dim x T x 4`` bytes each). ``--layers 0`` keeps every layer (no estimate).
+for the window, the CPU seconds inside the kept decoder layers (hooks on the first and last), its
+peak RSS (``getrusage``), and the whole model's figures estimated from them: the rest of the
+window (embedding, LM head, the passkey answer) plus the layers' time scaled to all layers, and the
+peak plus the KV cache of the layers left out (``2 x kv_heads x head_dim x T x 4`` bytes each).
+``--layers 0`` keeps every layer (no estimate).
 """
 
 from __future__ import annotations
@@ -42,11 +44,16 @@ ids = lab_extend.text_ids_for(loaded.tokenizer, text, length, "--text")
 window = passkey_window(loaded.tokenizer, ids, length, 0.5, seed=0)
 rope = RopeConfig.from_hf(model.config)
 lab_extend.load_attention(model)
+marks = []
+first, last = model.model.layers[0], model.model.layers[-1]
+first.register_forward_pre_hook(lambda m, a: marks.append(("in", time.process_time())))
+last.register_forward_hook(lambda m, a, o: marks.append(("out", time.process_time())))
 cpu, wall = time.process_time(), time.perf_counter()
 evaluate_window(model, window, rope, loaded.tokenizer)
+layers_cpu = next(t for kind, t in marks if kind == "out") - marks[0][1]  # the prefill: the first pass
 cfg = model.config
 print(json.dumps({"length": length, "layers": layers or total, "total_layers": total,
-                  "cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall,
+                  "cpu_s": time.process_time() - cpu, "layers_cpu_s": layers_cpu, "wall_s": time.perf_counter() - wall,
                   "peak_rss_mb": peak_rss_mb(), "kv_heads": cfg.num_key_value_heads, "head_dim": rope.head_dim,
                   "load": __import__("os").getloadavg()[0]}))
 """
@@ -70,7 +77,7 @@ def main() -> int:
         scale = row["total_layers"] / row["layers"]
         missing = row["total_layers"] - row["layers"]
         cache_mb = missing * 2 * row["kv_heads"] * row["head_dim"] * length * 4 / 2**20
-        row |= {"est_cpu_s": row["cpu_s"] * scale, "est_wall_s": row["wall_s"] * scale,
+        row |= {"est_cpu_s": row["cpu_s"] + row["layers_cpu_s"] * (scale - 1),
                 "est_peak_rss_mb": row["peak_rss_mb"] + cache_mb, "child_s": time.perf_counter() - start}
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     return 0
