@@ -54,7 +54,7 @@ VERBS = ("inspect", "decay", "convert")
 #: a module with ``add_parser(verbs)`` and ``run(args)`` as the library's verb modules have.
 VERB_GROUP = "ropekit.verbs"
 #: The verbs the lab (``ropekit-lab``) adds, in the order ``ropekit --help`` lists them after the library's.
-LAB_VERBS = ("report", "bench", "train", "extrapolate", "probe")
+LAB_VERBS = ("report", "bench", "train", "extrapolate", "probe", "extend")
 
 
 def installed_verbs() -> dict[str, Any]:
