@@ -32,7 +32,7 @@ import math
 import torch
 
 from ..validation import check_layout
-from .layouts import channel_permutation
+from .layouts import channel_permutation, check_projection
 from .scaling import YaRN, yarn_mscale
 
 
@@ -141,12 +141,7 @@ def permute_mla_weight(w: torch.Tensor, n_heads: int, *, nope_dim: int, rotary_d
         ValueError: ``w`` not 1-D or 2-D, rows that are not ``n_heads * (nope_dim + rotary_dim)``,
             ``rotary_dim`` not positive and even, an unknown layout.
     """
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
-    if w.dim() not in (1, 2):
-        raise ValueError(f"w must be a weight (out, in) or a bias (out,), got shape {tuple(w.shape)}")
-    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads <= 0:
-        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
+    check_projection(w, n_heads)
     check_layout(src, "src"), check_layout(dst, "dst")
     perm = mla_channel_permutation(nope_dim, rotary_dim, src, dst).to(w.device)
     if w.shape[0] != n_heads * perm.numel():
