@@ -192,8 +192,8 @@ def format_table(rows: list[dict]) -> str:
         flags = shown_flags(r, notice is not None)
         shown.update(flags)
         cells = [r["shape"], r["dtype"], r["impl"], r["mode"], f"{r['ms']:.3f}", _number(r.get("error_pct"), 1),
-                 _number(r.get("spread_pct"), 0), f"{r['gbps']:.1f}", f"{r['ratio_copy']:.2f}", _number(r["ratio_hf"], 1),
-                 _number(r["saved_mb"], 1), _number(r.get("peak_mb"), 1), ", ".join(flags)]
+                 _number(r.get("spread_pct"), 0), f"{r['gbps']:.1f}", f"{r['ratio_copy']:.2f}",
+                 _number(r["ratio_hf"], 1), _number(r["saved_mb"], 1), _number(r.get("peak_mb"), 1), ", ".join(flags)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [f"{flag}: {FLAGS[flag]}" for flag in FLAGS if flag in shown]
     summary = measuring(rows)
