@@ -129,7 +129,7 @@ def header(ipex, threads: int, load: tuple[float | None, float | None], cores: i
     """The lines above the table: date, versions, threads, load."""
     before, after = ("n/a" if v is None else f"{v:.2f}" for v in load)
     now = datetime.datetime.now(datetime.timezone.utc)
-    return [f"Measured {now:%Y-%m-%d %H:%M} UTC: ropekit {ropekit.__version__} (sources), torch {torch.__version__}, "
+    return [f"Measured {now:%Y-%m-%d %H:%M} UTC: ropekit from this checkout's sources, torch {torch.__version__}, "
             f"intel-extension-for-pytorch {ipex.__version__}, Python "
             f"{platform.python_version()}, {platform.processor() or platform.machine()}; {threads} thread(s); load "
             f"average {before} before and {after} after the run on {cores} cores; {used}.", ""]
