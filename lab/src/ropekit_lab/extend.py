@@ -110,7 +110,7 @@ def choose(rows: list[dict[str, Any]], tolerance: float = TOLERANCE) -> dict[str
     best = min(kept, key=lambda r: r["target"]["ppl"])
     near = [r for r in kept if r["target"]["ppl"] <= best["target"]["ppl"] * (1 + NEAR)]
     pick = max(near, key=lambda r: (r["passkey"]["correct"], -r["target"]["ppl"]))
-    reason = (f"{pick['name']}: perplexity {pick['target']['ppl']:.4g} over the target windows, passkey "
+    reason = (f"perplexity {pick['target']['ppl']:.4g} over the target windows, passkey "
               f"{pick['passkey']['correct']}/{pick['passkey']['total']}; trained-context perplexity "
               f"{pick['trained']['ppl']:.4g} against {reference:.4g} with plain RoPE")
     if pick is not best:

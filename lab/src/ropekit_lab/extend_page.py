@@ -96,7 +96,7 @@ class _Page:
                    ("ppl at L", f"perplexity of the text tokens below the trained context ({trained}); in brackets "
                                 "the lowest and highest over the windows"),
                    ("ppl at T", f"perplexity over the whole windows of {target} tokens"),
-                   ("ppl beyond L", f"perplexity of the positions from {trained} to {target}"),
+                   ("ppl beyond L", f"perplexity of the positions from {trained} to {target - 1}"),
                    ("passkey", "keys retrieved exactly / windows (one key per window, at its depth)"),
                    ("pairs beyond", "pairs that never turned once in training and now reach larger angles"),
                    ("pairs compressed", "pairs that turned in training whose frequency the rule lowers (coarser "
@@ -111,7 +111,8 @@ class _Page:
         edges = self.doc["buckets"]
         spans = zip(edges[:-1], edges[1:], strict=True)
         columns = [("rule", "the scaling rule"),
-                   *[(f"{a}\u2013{b}", f"perplexity of the text tokens at positions {a} to {b - 1}") for a, b in spans]]
+                   *[(f"{a}\u2013{b - 1}", f"perplexity of the text tokens at positions {a} to {b - 1}")
+                     for a, b in spans]]
         rows = [[esc(r["name"]), *[esc(_fmt(b["ppl"])) for b in r["buckets"]]] for r in self.doc["rules"]]
         body += table(columns, rows, name="buckets", text_columns=(0,), stack="tablet",
                       intro="Perplexity by position bucket (the numbers of the figure).")
