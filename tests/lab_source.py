@@ -60,7 +60,8 @@ def use_lab_sources() -> list[str]:
     added = []
     if importlib.util.find_spec("ropekit_lab") is None:
         added.append(str(ROOT / "lab" / "src"))
-    if not installed("ropekit-lab") or stale_entry_points(LAB_PYPROJECT.read_text(encoding="utf-8")):
+    stale = LAB_PYPROJECT.is_file() and stale_entry_points(LAB_PYPROJECT.read_text(encoding="utf-8"))
+    if not installed("ropekit-lab") or stale:
         text = LAB_PYPROJECT.read_text(encoding="utf-8")
         folder = Path(tempfile.mkdtemp(prefix="ropekit-lab-metadata-"))
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
