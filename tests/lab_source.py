@@ -45,12 +45,23 @@ def installed(distribution: str) -> bool:
     return True
 
 
+def stale_entry_points(text: str) -> bool:
+    """Whether an installed ``ropekit-lab`` lacks a verb that ``lab/pyproject.toml`` registers (an older install)."""
+    points = {p.name for p in importlib.metadata.distribution("ropekit-lab").entry_points if p.group == GROUP}
+    return not set(lab_entry_points(text)) <= points
+
+
 def use_lab_sources() -> list[str]:
-    """Make the lab importable and its verbs discoverable if they are not; the path entries added."""
+    """Make the lab importable and its verbs discoverable if they are not; the path entries added.
+
+    An installed lab whose metadata predates a verb of ``lab/pyproject.toml`` gets fresh metadata
+    ahead of it on the path, so that the command line finds every verb of this checkout.
+    """
     added = []
     if importlib.util.find_spec("ropekit_lab") is None:
         added.append(str(ROOT / "lab" / "src"))
-    if not installed("ropekit-lab"):
+    stale = LAB_PYPROJECT.is_file() and stale_entry_points(LAB_PYPROJECT.read_text(encoding="utf-8"))
+    if not installed("ropekit-lab") or stale:
         text = LAB_PYPROJECT.read_text(encoding="utf-8")
         folder = Path(tempfile.mkdtemp(prefix="ropekit-lab-metadata-"))
         atexit.register(shutil.rmtree, folder, ignore_errors=True)

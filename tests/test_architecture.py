@@ -3,8 +3,8 @@
 Layers, bottom to top (docs/architecture.md): validation · rope · ops · functional · fused · distributed · config ·
 checkpoints · nn · integrations · cli. ``ropekit.files`` (atomic writes) is a leaf any tool
 layer may use, ``ropekit._deprecation`` (the aliases of renamed names) a leaf every layer may use;
-``ropekit/__init__.py``, ``ropekit/scaling.py``, ``ropekit/multiaxis.py`` and ``ropekit/__main__.py``
-are the public entry points above everything. Every import counts, those inside functions too.
+``ropekit/__init__.py``, ``ropekit/scaling.py``, ``ropekit/multiaxis.py``, ``ropekit/mla.py`` and
+``ropekit/__main__.py`` are the public entry points above everything. Every import counts, those inside functions too.
 
 The lab is its own distribution (``lab/``, the package ``ropekit_lab``): nothing in ropekit imports
 it, and it imports only ropekit's public names: from a module whose path has no component starting
@@ -22,7 +22,7 @@ LAB = ROOT / "lab" / "src" / "ropekit_lab"
 LAYERS = ["validation", "rope", "ops", "functional", "fused", "distributed", "config", "checkpoints", "nn",
           "integrations", "cli"]
 LEAVES = {"files": "checkpoints", "_deprecation": "validation"}  # a leaf module and the lowest layer allowed to use it
-ENTRY_POINTS = {"ropekit", "ropekit.scaling", "ropekit.multiaxis", "ropekit.__main__"}
+ENTRY_POINTS = {"ropekit", "ropekit.scaling", "ropekit.multiaxis", "ropekit.mla", "ropekit.__main__"}
 
 
 def module_name(path: Path) -> str:

@@ -4,18 +4,21 @@ Never the timings themselves: the stopping rule runs on a fake clock, the flaggi
 busy notice on synthetic timings.
 """
 
+import importlib.util
 import io
 import json
 import random
 from contextlib import redirect_stdout
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import ropekit
 from ropekit import ops
 from ropekit.cli.entry import main
-from ropekit_lab import bench, bench_rows
+from ropekit_lab import bench, bench_peers, bench_rows
 from ropekit_lab.bench_timing import Plan, Timing, interleaved, quantile_interval
 
 
@@ -351,7 +354,183 @@ def test_every_backend_and_row_name_is_explained():
     for name in ops.available():
         assert name in bench_rows.IMPLEMENTATIONS
     for name in ("copy (x.clone)", "in-place pass (x.mul_)", "transformers eager", "transformers + torch.compile",
-                 "liger-kernel", "ropekit auto", "float32 round trip (x -> f32 -> x)"):
+                 "liger-kernel", "ropekit auto", "float32 round trip (x -> f32 -> x)", *FUSED_ROWS):
         assert bench_rows.describe(name) == bench_rows.IMPLEMENTATIONS[name]
+    for mode in ("out-of-place", "in-place", "fwd+bwd", "norm + rotation", "into cache"):
+        assert mode in bench_rows.MODES
     assert "registered" in bench_rows.describe("someone-elses-backend")
     assert "batch" in dict(bench_rows.COLUMNS)["shape"] and "head_dim" in bench_rows.DIMS
+
+
+# -- the fused forms' peers: what each row computes, against float64 oracles ----------------------------
+
+FUSED_ROWS = (bench_rows.NORM_EAGER, bench_rows.NORM_COMPILE, bench_rows.NORM_OURS, bench_rows.CACHE_COPY,
+              bench_rows.CACHE_EAGER, bench_rows.CACHE_COMPILE, bench_rows.CACHE_OURS)
+
+
+def peer_inputs(dtype, seq=1, start=4095):
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, seq, 32, generator=gen).to(dtype)
+    k = torch.randn(2, 2, seq, 32, generator=gen).to(dtype)
+    inv_freq, _ = ropekit.inv_frequencies(32)
+    positions = torch.arange(start, start + seq)
+    cos, sin = ropekit.cos_sin(positions, inv_freq)
+    full = (torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype))
+    return q, k, positions, inv_freq, full
+
+
+def float64_norm(x, weight, eps):
+    x64 = x.double()
+    return x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def assert_reference(got, want):
+    """Within a few roundings of got's dtype (8 eps of the largest value)."""
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=8 * torch.finfo(got.dtype).eps * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq", [1, 5])
+def test_every_peer_computes_the_float64_reference(dtype, seq):
+    """transformers' rotation, its q/k norm + rotation and its rotate-then-copy cache write, against float64."""
+    q, k, positions, inv_freq, (cos, sin) = peer_inputs(dtype, seq)
+    rotated = bench.hf_recipe(q, k, cos, sin)
+    for got, x in zip(rotated, (q, k), strict=True):
+        assert_reference(got, ropekit.apply_reference(x, positions, inv_freq))
+
+    weight = torch.linspace(0.5, 1.5, 32).to(dtype)
+    norm = bench_peers.qwen3_norm(weight, 1e-6)
+    normed = bench_peers.norm_then_rotate(norm, norm, bench.hf_recipe)(q, k, cos, sin)
+    for got, x in zip(normed, (q, k), strict=True):
+        assert_reference(got, ropekit.apply_reference(float64_norm(x, weight, 1e-6), positions, inv_freq))
+    torch.testing.assert_close(bench_peers.reference_norm(q, weight, 1e-6), float64_norm(q, weight, 1e-6), rtol=1e-12,
+                               atol=1e-12)
+
+    v = torch.randn(k.shape).to(dtype)
+    k_cache, v_cache = torch.zeros(2, 2, 16, 32, dtype=dtype), torch.zeros(2, 2, 16, 32, dtype=dtype)
+    index = torch.arange(16 - seq, 16)
+    bench_peers.rotate_then_copy(k, v, cos, sin, k_cache, v_cache, index)
+    assert_reference(k_cache[:, :, 16 - seq:], ropekit.apply_reference(k, positions, inv_freq))
+    assert torch.equal(v_cache[:, :, 16 - seq:], v) and not k_cache[:, :, :16 - seq].any()
+    bench_peers.copy_into_cache(k, v, k_cache, v_cache, index)
+    assert torch.equal(k_cache[:, :, 16 - seq:], k) and torch.equal(v_cache[:, :, 16 - seq:], v)
+
+
+def test_check_refuses_a_result_off_the_reference_and_names_the_row():
+    q, k, positions, inv_freq, (cos, sin) = peer_inputs(torch.float32)
+    want = (ropekit.apply_reference(q, positions, inv_freq),)
+    bench_peers.check("a row", bench.hf_recipe(q, k, cos, sin)[:1], want)
+    off_by_one = ropekit.apply_rotary(q, *ropekit.cos_sin(positions + 1, inv_freq))
+    with pytest.raises(RuntimeError, match="'a row' is off the float64 reference"):
+        bench_peers.check("a row", (off_by_one,), want)
+    with pytest.raises(RuntimeError, match="'a row' computes a result of shape"):
+        bench_peers.check("a row", (q[:1],), want)
+
+
+def test_decode_rows_time_the_fused_forms_beside_their_peers(monkeypatch):
+    """On a decode step: the norm + rotation and cache-write rows, each against its floor and transformers' recipe.
+
+    torch.compile is torch's business: here it hands back the recipe, so that the compiled rows are wired,
+    checked and timed without compiling.
+    """
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(kwargs) or fn)
+    decode, prefill = bench.Shape("decode", 2, 4, 2, 1, 16), bench.Shape("prefill", 1, 2, 2, 8, 16)
+    rows = bench.run(shapes=(decode, prefill), dtypes=(torch.float32, torch.bfloat16), device="cpu", repeats=1,
+                     compile_peer=True, budget_s=0)
+    assert len(compiled) == 2 * 3 + 2 and all(kwargs == {"dynamic": False} for kwargs in compiled)
+    by = {(r["shape"], r["dtype"], r["impl"], r["mode"]): r for r in rows}
+    for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):
+        for impl in (bench_rows.NORM_EAGER, bench_rows.NORM_COMPILE, bench_rows.NORM_OURS):
+            row = by[("decode", dtype, impl, "norm + rotation")]
+            assert row["bytes"] == 2 * (2 * 4 + 2 * 2) * 16 * itemsize  # q and k read and written once
+            assert row["ratio_copy"] == by[("decode", dtype, "copy (x.clone)", "out-of-place")]["ms"] / row["ms"]
+        assert by[("decode", dtype, bench_rows.NORM_EAGER, "norm + rotation")]["ratio_hf"] == 1.0
+        for impl in (bench_rows.CACHE_COPY, bench_rows.CACHE_EAGER, bench_rows.CACHE_COMPILE, bench_rows.CACHE_OURS):
+            row = by[("decode", dtype, impl, "into cache")]
+            assert row["bytes"] == 2 * (2 * 2 + 2 * 2) * 16 * itemsize  # k and v read, written into the cache
+        assert by[("decode", dtype, bench_rows.CACHE_COPY, "into cache")]["ratio_copy"] == 1.0
+        assert by[("decode", dtype, bench_rows.CACHE_EAGER, "into cache")]["ratio_hf"] == 1.0
+        assert ("decode", dtype, "transformers + torch.compile", "out-of-place") in by
+    assert not any(r["shape"] == "prefill" and r["mode"] in ("norm + rotation", "into cache") for r in rows)
+
+    rows = bench.run(quick=True, shapes=(decode,), dtypes=(torch.float32,), device="cpu", repeats=1, budget_s=0)
+    assert not any("torch.compile" in r["impl"] for r in rows)  # --quick compiles nothing
+    assert len(compiled) == 2 * 3 + 2
+
+
+@pytest.mark.parametrize("wrong", ["hf_recipe", "rotate_then_copy"])
+def test_a_peer_computing_something_else_is_refused_before_anything_is_timed(monkeypatch, wrong):
+    if wrong == "hf_recipe":
+        monkeypatch.setattr(bench, "hf_recipe", lambda q, k, cos, sin: (q.clone(), k.clone()))  # no rotation
+        row = "transformers eager"
+    else:
+        monkeypatch.setattr(bench, "rotate_then_copy", lambda k, v, cos, sin, k_cache, v_cache, index:
+                            bench_peers.copy_into_cache(k, v, k_cache, v_cache, index))  # keys left unrotated
+        row = bench_rows.CACHE_EAGER
+    monkeypatch.setattr(bench, "interleaved", lambda *args, **kwargs: pytest.fail("a row was timed"))
+    with pytest.raises(RuntimeError, match=f"bench row '{row}' is off the float64 reference"):
+        bench.run(shapes=(bench.Shape("decode", 2, 4, 2, 1, 16),), dtypes=(torch.bfloat16,), device="cpu", repeats=1,
+                  compile_peer=False, budget_s=0)
+
+
+# -- benchmarks/ipex_peer.py: its rows and checks, with a stand-in for IPEX (IPEX needs a torch of its own) ----
+
+
+def load_ipex_peer():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ipex_peer.py"
+    spec = importlib.util.spec_from_file_location("ipex_peer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class StandInIpex:
+    """IPEX's two entry points as it documents them ((b, s, h, d) q and k, full-width float32 tables)."""
+
+    __version__ = "stand-in"
+
+    def __init__(self, rotate_module=True):
+        outer = self
+
+        class RotaryEmbedding(torch.nn.Module):
+            def __init__(self, max_positions, dim, base=10000, backbone=None):
+                super().__init__()
+                self.rope = ropekit.RotaryEmbedding(dim, base=base)
+
+            def forward(self, x, position_ids, num_head, head_dim, offset, rotary_ndims):
+                assert offset == head_dim // 2 == rotary_ndims // 2 and x.shape[-2:] == (num_head, head_dim)
+                if not outer.rotate_module:
+                    return x.clone()
+                cos, sin = self.rope.cos_sin(position_ids)  # (b, s, d/2)
+                return ropekit.apply_rotary(x, cos[:, :, None], sin[:, :, None])
+
+        def rotary_embedding(query, key, sin, cos, rotary_dim, rotary_half):
+            assert rotary_half and rotary_dim == query.shape[-1] == sin.shape[-1]
+            half = sin.shape[-1] // 2
+            return ropekit.apply_rotary_qk(query, key, cos[:, None, :half], sin[:, None, :half], inplace=True)
+
+        self.rotate_module = rotate_module
+        self.llm = type("llm", (), {"modules": type("modules", (), {"RotaryEmbedding": RotaryEmbedding}),
+                                    "functional": type("functional", (), {"rotary_embedding": rotary_embedding})})
+
+
+def test_ipex_peer_times_each_form_beside_ropekit_and_the_floors_after_checking_it():
+    ipex_peer = load_ipex_peer()
+    shapes = (bench.Shape("decode", 2, 4, 2, 1, 16), bench.Shape("prefill", 1, 2, 2, 8, 16))
+    rows = ipex_peer.run(shapes, (torch.float32, torch.bfloat16), 1, 0.0, StandInIpex())
+    assert len(rows) == 2 * 2 * len(ipex_peer.ROWS)
+    assert [r["shape"] for r in rows[::len(ipex_peer.ROWS)]] == ["decode", "decode", "prefill", "prefill"]
+    by = {(r["shape"], r["dtype"], r["impl"], r["mode"]): r for r in rows}
+    for shape in ("decode", "prefill"):
+        for dtype in ("float32", "bfloat16"):
+            assert by[(shape, dtype, "IPEX llm.functional.rotary_embedding", "in-place")]["ratio_ipex"] == 1.0
+            assert by[(shape, dtype, "IPEX llm.modules.RotaryEmbedding", "out-of-place")]["ratio_ipex"] == 1.0
+            assert by[(shape, dtype, "copy (x.clone)", "out-of-place")]["ratio_copy"] == 1.0
+            assert by[(shape, dtype, "ropekit RotaryEmbedding", "out-of-place")]["ms"] > 0
+
+    with pytest.raises(RuntimeError, match="'IPEX llm.modules.RotaryEmbedding' is off the float64 reference"):
+        ipex_peer.run(shapes[:1], (torch.float32,), 1, 0.0, StandInIpex(rotate_module=False))
+    if importlib.util.find_spec("intel_extension_for_pytorch") is None:  # said in one line, exit 2
+        assert ipex_peer.main(["--quick"]) == 2

@@ -31,7 +31,7 @@ CONSOLE = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ropekit"
 PYTHON_M = [sys.executable, "-m", "ropekit"]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MAX_CHARS = "120000"
-VERBS = ("inspect", "decay", "report", "bench", "convert", "train", "extrapolate", "probe")
+VERBS = ("inspect", "decay", "report", "bench", "convert", "train", "extrapolate", "probe", "extend")
 
 # main(argv) in a fresh interpreter; exit code 99 if torch was imported on the way
 NO_TORCH_RUNNER = """
@@ -87,6 +87,10 @@ def bad_command_lines(h) -> dict[tuple[str, ...], str]:
         ("probe", "--example", "--tokens", "2"): "--tokens: expected an integer >= 3",
         ("probe", "--model", str(h["missing"])): "no such directory",
         ("probe", "--example", "--prompt", ""): "--prompt: the text is empty",
+        ("extend",): "one of the arguments --model --gguf --example is required",
+        ("extend", "--example"): "--to: the target length is required",
+        ("extend", "--example", "--to", "16384", "--rules", "rope9"): "--rules",
+        ("extend", "--model", str(h["missing"]), "--to", "16384"): "no such directory",
         ("convert", str(h["missing"]), str(h["tmp"] / "dst"), "--to", "half", "--heads", "4"): "",
         (): "the following arguments are required: <verb>",
     }
@@ -174,7 +178,8 @@ def test_a_failed_run_removes_only_the_empty_folders_it_created(monkeypatch, tmp
 @pytest.mark.parametrize("verb, module, attribute", [("train", "ropekit_lab.train", "run"),
                                                      ("extrapolate", "ropekit_lab.extrapolate", "run"),
                                                      ("report", "ropekit_lab.report", "write_report"),
-                                                     ("probe", "ropekit_lab.probe", "run")])
+                                                     ("probe", "ropekit_lab.probe", "run"),
+                                                     ("extend", "ropekit_lab.extend", "run")])
 def test_unwritable_output_fails_before_the_work(monkeypatch, tmp_path, capsys, verb, module, attribute):
     monkeypatch.setattr(importlib.import_module(module), attribute, lambda *a, **k: pytest.fail("worked first"))
     a_file = tmp_path / "a-file"
@@ -183,7 +188,8 @@ def test_unwritable_output_fails_before_the_work(monkeypatch, tmp_path, capsys, 
     if Path("/proc/self").is_dir():  # procfs accepts no new files, not even from root
         cases["/proc/ropekit-out"] = "is not writable: cannot create a file in '/proc'"
     for out, words in cases.items():
-        assert main([verb, *(["--example"] if verb == "probe" else []), "--out", out]) == 2, out
+        needed = {"probe": ["--example"], "extend": ["--example", "--to", "16384"]}.get(verb, [])
+        assert main([verb, *needed, "--out", out]) == 2, out
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == 1 and words in lines[0], (out, lines)
 
@@ -264,6 +270,27 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_no_empty_folder(tmp_path):
         assert out == b""
 
 
+@pytest.mark.parametrize("interrupted", [True, False])
+def test_a_failure_after_ctrl_c_still_ends_as_interrupted(monkeypatch, capsys, interrupted):
+    # Ctrl-C in the middle of an import leaves the module half-loaded; the next import of it raises
+    # ImportError ("cannot load module more than once per process"). After an interrupt, that is still
+    # "interrupted", exit 130; without one, the same error is a bug and keeps its traceback.
+    from ropekit import files
+
+    def run(args):
+        if interrupted:
+            files.note_interrupt()
+        raise ImportError("cannot load module more than once per process")
+
+    monkeypatch.setattr(cli_inspect, "run", run)
+    if not interrupted:
+        with pytest.raises(ImportError):
+            main(["inspect"])
+        return
+    assert main(["inspect"]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == "ropekit inspect: interrupted"
+
+
 # -- no torch before the arguments are parsed --------------------------------------------------------
 
 
@@ -331,7 +358,7 @@ def test_default_output_folders_are_ignored_by_git():
     parser = cli.build_parser()
     verbs = next(action for action in parser._actions if action.dest == "verb").choices
     defaults = {verb: sub.get_default("out") for verb, sub in verbs.items() if sub.get_default("out")}
-    assert set(defaults) == {"report", "train", "extrapolate", "probe"}
+    assert set(defaults) == {"report", "train", "extrapolate", "probe", "extend"}
     for verb, folder in defaults.items():
         done = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", f"{folder}/results.json"], env=ENV)
         assert done.returncode == 0, f"{verb}'s default --out {folder}/ is not in .gitignore"

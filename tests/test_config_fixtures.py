@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ropekit import RopeConfig, RotaryEmbedding
-from ropekit.scaling import DynamicNTK, Linear, Llama3, LongRoPE, Proportional, YaRN
+from ropekit.scaling import DynamicNTK, Linear, Llama3, LongRoPE, NTKAlpha, Proportional, YaRN
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -36,6 +36,7 @@ ROTARY_CLASSES = {
     "gemma3_text": ("gemma3", "Gemma3RotaryEmbedding"),
     "gemma4_text": ("gemma4", "Gemma4TextRotaryEmbedding"),
     "llama4_text": ("llama4", "Llama4TextRotaryEmbedding"),
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", "HunYuanDenseV1RotaryEmbedding"),
 }
 # (head_dim, rotary_dim, layout, rule) per fixture and layer type: what a reader of the config expects
 EXPECTED = {
@@ -50,6 +51,7 @@ EXPECTED = {
     ("gemma-4-style-proportional", "sliding_attention"): (256, 256, "half", type(None)),
     ("gpt-neox-20b", None): (96, 24, "half", type(None)),
     ("gpt-oss-20b", None): (64, 64, "half", YaRN),
+    ("hunyuan-7b-instruct", None): (128, 128, "half", NTKAlpha),
     ("llama-2-7b", None): (128, 128, "half", type(None)),
     ("llama-2-7b-dynamic-ntk", None): (128, 128, "half", DynamicNTK),
     ("llama-3.1-8b", None): (128, 128, "half", Llama3),

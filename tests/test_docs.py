@@ -225,7 +225,7 @@ def test_guide_multiaxis_example_runs():
 
 API = README.parent / "docs" / "api.md"
 PUBLIC_MODULES = ("ropekit", "ropekit.scaling", "ropekit.multiaxis", "ropekit.nn", "ropekit.ops", "ropekit.distributed",
-                  "ropekit.checkpoints", "ropekit.integrations.transformers",
+                  "ropekit.checkpoints", "ropekit.integrations.transformers", "ropekit.mla",
                   # building blocks for tools: what the lab imports besides the above
                   "ropekit.files", "ropekit.rope.analysis", "ropekit.rope.pairing", "ropekit.cli",
                   "ropekit.cli.inspect_json")

@@ -6,7 +6,8 @@ from ropekit.integrations import transformers_norms as norms
 
 def test_the_views_are_the_table_rows():
     assert rope_config.INTERLEAVED_MODEL_TYPES == {"deepseek_v2", "deepseek_v3", "llama4", "llama4_text", "gptj",
-                                                   "codegen"}
+                                                   "codegen", "glm4v", "glm4v_text", "ernie4_5_vl_moe",
+                                                   "ernie4_5_vl_moe_text"}
     assert multimodal.CONTIGUOUS_MROPE["qwen2_5_vl"] == (16, 24, 24)
     assert multimodal.INTERLEAVED_MROPE["qwen3_vl_moe_text"] == (24, 20, 20)
     assert norms.NORM_FORMS == {"Qwen3RMSNorm": 0.0, "Qwen3MoeRMSNorm": 0.0, "Olmo2RMSNorm": 0.0,

@@ -343,7 +343,12 @@ def test_every_16_bit_value_converts_like_torch(dtype, layout):
         (torch.full((1, 32), 1.0 + 2.0**-9), torch.full((1, 32), 2.0**-12)),  # ties and near-ties
     ]:
         expected = torch_eager.apply_rotary(x, cos, sin, layout=layout)
-        assert_same(native(x, cos, sin, layout=layout), expected)
+        actual = native(x, cos, sin, layout=layout)
+        assert_same(actual, expected)
+        if dtype == torch.bfloat16:  # NaN payloads too: every NaN rounds to 0x7FC0, as c10::BFloat16 does
+            want = torch.where(expected.isnan(), torch.tensor(0x7FC0, dtype=torch.int16), bits(expected))
+            assert torch.equal(bits(actual), want)
+            assert torch.equal(bits(native(x.clone(), cos, sin, layout=layout, inplace=True)), want)
 
 
 @pytest.fixture(scope="module")

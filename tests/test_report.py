@@ -291,7 +291,8 @@ def test_the_speed_table_explains_dims_every_implementation_and_mode(reports):
     impls = {html.unescape(i) for i in re.findall(r'<td class="text" data-label="impl">([^<]+)</td>', speed)}
     assert {"copy (x.clone)", "transformers eager", "cpu", "torch", "ropekit auto"} <= impls
     assert impls <= set(explained["speed-impl-legend"])
-    assert {"out-of-place", "in-place", "fwd+bwd"} == set(explained["speed-mode-legend"])
+    assert {"out-of-place", "in-place", "fwd+bwd", "norm + rotation", "into cache"} == set(
+        explained["speed-mode-legend"])  # the last two: the fused forms beside their peers, on the decode step
     for impl in impls:  # each with its own line, not the fallback for unknown backends
         assert html.escape(bench_rows.describe(impl)) in speed and "registered" not in bench_rows.describe(impl)
 

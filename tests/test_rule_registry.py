@@ -26,6 +26,7 @@ SAMPLE_PARAMS = {
     "linear": {"factor": 2.0},
     "ntk": {"factor": 2.0},
     "dynamic": {"factor": 2.0},
+    "ntk_alpha": {"alpha": 1000.0},
     "proportional": {"factor": 2.0, "partial_rotary_factor": 0.5},
     "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     "yarn": {"factor": 4.0, "original_max_position_embeddings": 64},

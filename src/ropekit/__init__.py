@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "AxisPlan": "rope.axes",
     "RopeConfig": "config.rope_config",
+    "LayerSchedule": "config.schedules",
     "RotaryEmbedding": "nn.rotary",
     "apply_reference": "ops.reference",
     "rotation_matrix": "ops.reference",
@@ -38,18 +39,21 @@ _EXPORTS = {
     "rms_norm_rotary_qk": "fused.norm",
     "rotate_into_cache": "fused.cache",
     "slot_mapping": "fused.cache",
+    "rerotate_cache": "fused.rerotate",
+    "context_shift": "fused.rerotate",
     "channel_permutation": "rope.layouts",
     "convert_layout": "rope.layouts",
     "permute_qk_weight": "rope.layouts",
     "LayoutEvidence": "rope.pairing",
     "detect_layout": "rope.pairing",
 }
-_SUBMODULES = ("checkpoints", "distributed", "integrations", "multiaxis", "nn", "ops", "scaling")
+_SUBMODULES = ("checkpoints", "distributed", "integrations", "mla", "multiaxis", "nn", "ops", "scaling")
 # deprecated public names (one release): old name -> (where the value lives now, what to write instead)
 _MOVED = {"backends": ("ropekit.ops", "ropekit.ops (available, register, get, resolve)")}
 
 __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "AxisPlan",
+    "LayerSchedule",
     "LayoutEvidence",
     "RopeConfig",
     "RotaryEmbedding",
@@ -59,16 +63,19 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "base_inv_freq",
     "channel_permutation",
     "checkpoints",
+    "context_shift",
     "convert_layout",
     "cos_sin",
     "detect_layout",
     "distributed",
     "integrations",
     "inv_frequencies",
+    "mla",
     "multiaxis",
     "nn",
     "ops",
     "permute_qk_weight",
+    "rerotate_cache",
     "rms_norm_rotary",
     "rms_norm_rotary_qk",
     "rotate",
@@ -81,11 +88,13 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
 ]
 
 if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names are imported on first use
-    from . import checkpoints, distributed, integrations, multiaxis, nn, ops, scaling
+    from . import checkpoints, distributed, integrations, mla, multiaxis, nn, ops, scaling
     from .config import RopeConfig
     from .config.rules import inv_frequencies
+    from .config.schedules import LayerSchedule
     from .functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
     from .fused import rms_norm_rotary, rms_norm_rotary_qk, rotate_into_cache, slot_mapping
+    from .fused.rerotate import context_shift, rerotate_cache
     from .nn.rotary import RotaryEmbedding
     from .ops.reference import apply_reference, rotation_matrix
     from .rope.axes import AxisPlan

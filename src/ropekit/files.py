@@ -101,6 +101,11 @@ def clear_interrupt() -> None:
     _interrupted = False
 
 
+def was_interrupted() -> bool:
+    """Whether an interrupt was recorded since :func:`clear_interrupt`."""
+    return _interrupted
+
+
 def raise_if_interrupted() -> None:
     """Raise ``KeyboardInterrupt`` if an interrupt was recorded, even one Python dropped on the way."""
     if _interrupted:

@@ -9,6 +9,10 @@ the backend method of that name (docs/api.md, "Vocabulary"). ``backend`` names a
 backend (:func:`ropekit.ops.available`); ``"auto"`` picks by device. Autograd: the gradient is
 the rotation by ``-theta`` (nothing of the inputs' size is saved); learned tables (``cos``/``sin``
 requiring grad) take a composite path that differentiates them too.
+
+``inverse=True`` on every form rotates by ``-theta`` with the same tables: it undoes the rotation
+(``R(-theta) R(theta) x = x``; DeepSeek-V4-style de-rotation of an attention output), and its
+gradient is the rotation by ``+theta``. The operators and backends call it ``conjugate``.
 ``torch.compile(fullgraph=True)`` traces every entry point as one operator node.
 """
 
@@ -18,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .ops import operators, prepared, prepared_keys
+from .ops.backend import prepared_call
 from .ops.dispatch import check_runs, resolve
 from .ops.dispatch import get as get_backend
 from .ops.eager import apply_rotary_differentiable
@@ -26,9 +31,15 @@ from .ops.positions import check_shapes, qk_axes
 from .validation import check_float_tensor, check_inplace, check_layout, check_tables, resolve_seq_dim
 
 
-def _check_options(layout: str, inplace: bool) -> None:
+def _check_options(layout: str, inplace: bool, inverse: bool = False) -> None:
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
+    _check_inverse(inverse)
+
+
+def _check_inverse(inverse: bool) -> None:
+    if not isinstance(inverse, bool):
+        raise TypeError(f"inverse must be a bool, got {type(inverse).__name__}")
 
 
 def apply_rotary_qk(
@@ -39,6 +50,7 @@ def apply_rotary_qk(
     *,
     layout: str = "half",
     inplace: bool = False,
+    inverse: bool = False,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """:func:`apply_rotary` for queries and keys sharing one pair of tables, in one kernel call.
@@ -56,18 +68,19 @@ def apply_rotary_qk(
             and to ``k.shape[:-1] + (rotary_dim // 2,)``, as for :func:`apply_rotary`.
         layout: ``"half"`` or ``"interleaved"``.
         inplace: rotate q and k themselves (they must be distinct tensors).
+        inverse: rotate by ``-theta`` (undo a rotation with the same tables).
         backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
 
     Returns:
         ``(q_rotated, k_rotated)`` with the shapes and dtypes of q and k.
     """
-    key, run = prepared_keys.apply_rotary_qk(q, k, cos, sin, layout, inplace, backend)  # the layout as given
+    key, run = prepared_keys.apply_rotary_qk(q, k, cos, sin, layout, inplace, inverse, backend)  # layout as given
     if run is not None:
         return run(q, k, cos, sin)
     layout = check_layout(layout)
     check_float_tensor(q, "q")
     check_float_tensor(k, "k")
-    _check_options(layout, inplace)
+    _check_options(layout, inplace, inverse)
     if q.dim() == 0 or k.dim() == 0 or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must have the same head_dim, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
     if not (q.is_cpu and k.is_cpu) and q.device != k.device:
@@ -82,17 +95,17 @@ def apply_rotary_qk(
     if inplace:
         check_not_shared({"q": q, "k": k}, {"cos": cos, "sin": sin}, "inplace=True")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
-        return (apply_rotary(q, cos, sin, layout=layout, inplace=inplace, backend=backend),
-                apply_rotary(k, cos, sin, layout=layout, inplace=inplace, backend=backend))
+        return (apply_rotary(q, cos, sin, layout=layout, inplace=inplace, inverse=inverse, backend=backend),
+                apply_rotary(k, cos, sin, layout=layout, inplace=inplace, inverse=inverse, backend=backend))
     name = resolve(backend, q.device.type)
     check_runs(backend, name, {"q": q, "k": k})
     if k.dim() != q.dim():  # tables viewed for q do not fit k: one call each
-        return (operators.apply_rotary(q, cos, sin, layout=layout, backend=name, inplace=inplace),
-                operators.apply_rotary(k, cos, sin, layout=layout, backend=name, inplace=inplace))
+        return (operators.apply_rotary(q, cos, sin, layout=layout, backend=name, inplace=inplace, conjugate=inverse),
+                operators.apply_rotary(k, cos, sin, layout=layout, backend=name, inplace=inplace, conjugate=inverse))
     if operators.direct(q, k, cos, sin):
-        prepared.keep(key, get_backend(name).prepared((q, k, cos, sin), layout=layout, inplace=inplace),
-                      (q, k, cos, sin))
-    return operators.apply_rotary_qk(q, k, cos, sin, layout=layout, backend=name, inplace=inplace)
+        prepared.keep(key, prepared_call(get_backend(name), "prepared", (q, k, cos, sin), layout=layout,
+                                         inplace=inplace, conjugate=inverse), (q, k, cos, sin))
+    return operators.apply_rotary_qk(q, k, cos, sin, layout=layout, backend=name, inplace=inplace, conjugate=inverse)
 
 
 def apply_rotary(
@@ -102,6 +115,7 @@ def apply_rotary(
     *,
     layout: str = "half",
     inplace: bool = False,
+    inverse: bool = False,
     backend: str = "auto",
 ) -> Tensor:
     r"""Rotate the first ``rotary_dim`` channels of ``x`` by the angles behind ``cos``/``sin``.
@@ -124,36 +138,41 @@ def apply_rotary(
             ``"neox"``, ``"gpt-neox"``, ``"rotate_half"``); ``"interleaved"`` pairs ``(2i, 2i+1)``
             (RoFormer, Meta, GPT-J; aliases ``"gptj"``, ``"gpt-j"``, ``"meta"``, ``"complex"``).
         inplace: rotate ``x`` itself and return it; allocates nothing of ``x``'s size.
+        inverse: rotate by ``-theta`` instead (``s -> -s`` above): undoes the rotation by the same
+            tables, ``apply_rotary(apply_rotary(x, cos, sin), cos, sin, inverse=True) == x`` up to
+            rounding (tables carrying an attention scale scale both ways).
         backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
 
     Returns:
         Tensor of ``x``'s shape and dtype (``x`` itself when ``inplace``). Arithmetic is
         float32 (float64 for float64 inputs), rounded once to ``x.dtype``.
 
-    Autograd: gradients flow to ``x`` through the rotation by ``-theta`` (no saved
-    activations). When ``cos``/``sin`` require grad (learned frequencies) a composite
-    path is used that also differentiates the tables.
+    Autograd: gradients flow to ``x`` through the rotation by ``-theta`` (``+theta`` for
+    ``inverse``; no saved activations). When ``cos``/``sin`` require grad (learned frequencies)
+    a composite path is used that also differentiates the tables.
     """
-    key, run = prepared_keys.apply_rotary(x, cos, sin, layout, inplace, backend)  # the layout as given
+    key, run = prepared_keys.apply_rotary(x, cos, sin, layout, inplace, inverse, backend)  # the layout as given
     if run is not None:
         return run(x, cos, sin)
     layout = check_layout(layout)
     check_float_tensor(x, "x")
-    _check_options(layout, inplace)
+    _check_options(layout, inplace, inverse)
     if inplace:
         check_inplace(x, "x")
     check_tables(x, cos, sin)
     if inplace:
         check_not_shared({"x": x}, {"cos": cos, "sin": sin}, "inplace=True")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        sin = -sin if inverse else sin  # sin(-theta) = -sin(theta), exactly
         if not inplace:
             return apply_rotary_differentiable(x, cos, sin, layout=layout)
         return x.copy_(apply_rotary_differentiable(x.clone(), cos, sin, layout=layout))
     name = resolve(backend, x.device.type)
     check_runs(backend, name, {"x": x})
     if operators.direct(x, cos, sin):
-        prepared.keep(key, get_backend(name).prepared((x, cos, sin), layout=layout, inplace=inplace), (x, cos, sin))
-    return operators.apply_rotary(x, cos, sin, layout=layout, backend=name, inplace=inplace)
+        prepared.keep(key, prepared_call(get_backend(name), "prepared", (x, cos, sin), layout=layout, inplace=inplace,
+                                         conjugate=inverse), (x, cos, sin))
+    return operators.apply_rotary(x, cos, sin, layout=layout, backend=name, inplace=inplace, conjugate=inverse)
 
 
 def _unflatten_heads(t: Tensor, head_size: int, name: str) -> Tensor:
@@ -196,6 +215,7 @@ def rotate(
     seq_dim: int | None = None,
     layout: str = "half",
     inplace: bool = False,
+    inverse: bool = False,
     backend: str = "auto",
 ) -> Tensor:
     r"""Rotate one tensor by token position, looking each token's row up in the full tables.
@@ -224,6 +244,7 @@ def rotate(
         layout: ``"half"`` or ``"interleaved"`` (flash-attention's ``interleaved=True``), or an
             alias (``"neox"``, ``"gptj"``, ...: :data:`ropekit.validation.LAYOUT_ALIASES`).
         inplace: rotate x itself and return it.
+        inverse: rotate by ``-theta`` (``s_p -> -s_p``): undoes ``rotate`` at the same positions.
         backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
 
     Returns:
@@ -237,9 +258,11 @@ def rotate(
     where = check_shapes(x, None, cos_table, sin_table, positions, offsets, cu_seqlens, max_seqlen, seq_dim, layout)
     _by_position_checks(x, None, cos_table, sin_table, inplace,
                         {"positions": positions, "offsets": offsets, "cu_seqlens": cu_seqlens})
+    _check_inverse(inverse)
     name = resolve(backend, x.device.type)
     check_runs(backend, name, {"x": x})
-    return operators.rotate(x, cos_table, sin_table, where, layout=layout, backend=name, inplace=inplace)
+    return operators.rotate(x, cos_table, sin_table, where, layout=layout, backend=name, inplace=inplace,
+                            conjugate=inverse)
 
 
 def rotate_qk(
@@ -257,6 +280,7 @@ def rotate_qk(
     head_size: int | None = None,
     layout: str = "half",
     inplace: bool = False,
+    inverse: bool = False,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Rotate q and k by token position, looking each token's row up in the full tables.
@@ -287,6 +311,7 @@ def rotate_qk(
         head_size: channels per head when q and k come flat (vLLM's ``forward(positions, query, key)``).
         layout: ``"half"`` or ``"interleaved"`` (or an alias: ``"neox"``, ``"gptj"``, ...).
         inplace: rotate q and k themselves.
+        inverse: rotate by ``-theta``: undoes ``rotate_qk`` at the same positions.
         backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
 
     Returns:
@@ -298,7 +323,7 @@ def rotate_qk(
     key = None
     if positions is None and cu_seqlens is None and max_seqlen is None and head_size is None:  # one int offset
         key, run = prepared_keys.rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layout,
-                                           inplace, backend)  # the layout as given
+                                           inplace, inverse, backend)  # the layout as given
         if run is not None:
             return run(q, k, cos_table, sin_table, offsets)
     layout = check_layout(layout)
@@ -309,16 +334,18 @@ def rotate_qk(
             seq_dim %= q.dim()
         q_out, k_out = rotate_qk(q_heads, k_heads, cos_table, sin_table, positions=positions, offsets=offsets,
                                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seq_dim=seq_dim, layout=layout,
-                                 inplace=inplace, backend=backend)
+                                 inplace=inplace, inverse=inverse, backend=backend)
         return (q, k) if inplace else (q_out.flatten(-2), k_out.flatten(-2))
     seq_dim = resolve_seq_dim(getattr(q, "ndim", 0), tensor_format, seq_dim)
     where = check_shapes(q, k, cos_table, sin_table, positions, offsets, cu_seqlens, max_seqlen, seq_dim, layout)
     _by_position_checks(q, k, cos_table, sin_table, inplace,
                         {"positions": positions, "offsets": offsets, "cu_seqlens": cu_seqlens})
+    _check_inverse(inverse)
     name = resolve(backend, q.device.type)
     check_runs(backend, name, {"q": q, "k": k})
     if key is not None and operators.direct(q, k, cos_table, sin_table):
-        prepared.keep(key, get_backend(name).prepared_by_offset((q, k, cos_table, sin_table), seq_dim=seq_dim,
-                                                                layout=layout, inplace=inplace),
+        prepared.keep(key, prepared_call(get_backend(name), "prepared_by_offset", (q, k, cos_table, sin_table),
+                                         seq_dim=seq_dim, layout=layout, inplace=inplace, conjugate=inverse),
                       (q, k, cos_table, sin_table), cos_table.shape[0], q.shape[qk_axes(q.dim(), seq_dim)[1]])
-    return operators.rotate_qk(q, k, cos_table, sin_table, where, layout=layout, backend=name, inplace=inplace)
+    return operators.rotate_qk(q, k, cos_table, sin_table, where, layout=layout, backend=name, inplace=inplace,
+                               conjugate=inverse)

@@ -5,18 +5,21 @@
   models by name, :func:`named_plan` (``named_plan("flux")``, ``named_plan("wan", head_dim=128)``;
   :data:`NAMED_PLANS` lists them, :data:`LAYOUTS` gives the pairing each is used with);
 - positions: :func:`patch_grid`, :func:`patch_grid_thw`, :func:`vision_patch_positions`,
-  :func:`vision_block_positions`, :func:`mrope_position_ids`, :func:`mrope_next_positions`;
+  :func:`vision_block_positions`, :func:`mrope_position_ids` (Qwen-VL, GLM-4V, ERNIE-4.5-VL),
+  :func:`omni_position_ids` (Qwen2.5-Omni: audio and video aligned in time), :func:`mrope_next_positions`;
 - angles of any frequency matrix (RoPE-Mixed): :func:`matrix_angles`.
 
-They live in :mod:`ropekit.rope.axes`, :mod:`ropekit.rope.plans`, :mod:`ropekit.rope.grids` and
-:mod:`ropekit.rope.mrope_positions`. Tables come from :meth:`AxisPlan.cos_sin` and go to the same
-:func:`ropekit.apply_rotary` / ``apply_rotary_qk`` / ``rotate_qk`` as 1-D RoPE. See docs/multiaxis.md.
+They live in :mod:`ropekit.rope.axes`, :mod:`ropekit.rope.plans`, :mod:`ropekit.rope.grids`,
+:mod:`ropekit.rope.mrope_positions` and :mod:`ropekit.rope.omni_positions`. Tables come from
+:meth:`AxisPlan.cos_sin` and go to the same :func:`ropekit.apply_rotary` / ``apply_rotary_qk`` /
+``rotate_qk`` as 1-D RoPE. See docs/multiaxis.md.
 """
 
 from ._deprecation import module_getattr
 from .rope.axes import AxisPlan, axial, axial_pixel, matrix_angles, mrope, single_axis
 from .rope.grids import patch_grid, patch_grid_thw, vision_block_positions, vision_patch_positions
 from .rope.mrope_positions import mrope_next_positions, mrope_position_ids
+from .rope.omni_positions import omni_position_ids
 from .rope.plans import LAYOUTS, NAMED_PLANS, named_plan
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "mrope_next_positions",
     "mrope_position_ids",
     "named_plan",
+    "omni_position_ids",
     "patch_grid",
     "patch_grid_thw",
     "single_axis",

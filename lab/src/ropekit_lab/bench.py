@@ -13,6 +13,18 @@ more reference row converts q and k to float32 and back into preallocated tensor
 in float32 on a CPU without 16-bit arithmetic. On CUDA, Liger's Triton kernel
 (``liger-kernel``, when installed) is timed in place.
 
+The peers: transformers' eager recipe (its ``apply_rotary_pos_emb``) and, in the full run (not with
+``--quick``: compiling takes tens of seconds a case), ``torch.compile`` of it. On a decode step
+(one token), the fused forms' peers too (:mod:`ropekit_lab.bench_peers`): transformers' q/k
+``Qwen3RMSNorm`` then the rotation, eager and compiled, beside :func:`ropekit.rms_norm_rotary_qk`
+(mode ``norm + rotation``, against the copy floor); and the keys rotated then keys and values
+``index_copy_``'d into a static cache slot, eager and compiled, beside :func:`ropekit.rotate_into_cache`
+(mode ``into cache``, against the ``index_copy_`` of k and v alone). A compiled peer is compiled once
+per case (``torch.compiler.reset()`` first: each case compiles its own), warmed up, then timed in the
+same rounds as the other rows. Before anything is timed, every peer's result and every fused form's
+is compared with the float64 reference (:func:`ropekit_lab.bench_peers.check`): a row that computes
+something else raises, it is never timed.
+
 ``ratio_copy = floor_ms / ms`` (1.0 = as fast as copying the bytes) and
 ``ratio_hf = hf_ms / ms`` (speed-up over transformers' eager recipe
 ``q * cos + rotate_half(q) * sin`` with tables in the activation dtype). ``saved_mb`` is what
@@ -43,9 +55,35 @@ from dataclasses import dataclass
 
 import torch
 
-from ropekit import apply_rotary, apply_rotary_qk, cos_sin, inv_frequencies, ops
+from ropekit import apply_rotary, apply_rotary_qk, cos_sin, inv_frequencies, ops, rms_norm_rotary_qk, rotate_into_cache
 
-from .bench_rows import COPY, INPLACE_PASS, NOISE_LIMIT_PCT, ROUND_TRIP, TARGET_PCT, format_table, judge
+from .bench_peers import (
+    CACHE_SLOTS,
+    EPS,
+    check,
+    copy_into_cache,
+    norm_then_rotate,
+    qwen3_norm,
+    reference_norm,
+    reference_rotation,
+    rotate_then_copy,
+)
+from .bench_rows import (
+    CACHE_COMPILE,
+    CACHE_COPY,
+    CACHE_EAGER,
+    CACHE_OURS,
+    COPY,
+    INPLACE_PASS,
+    NOISE_LIMIT_PCT,
+    NORM_COMPILE,
+    NORM_EAGER,
+    NORM_OURS,
+    ROUND_TRIP,
+    TARGET_PCT,
+    format_table,
+    judge,
+)
 from .bench_timing import Plan, Timing, interleaved, machine_load
 from .precision import rotate_half
 
@@ -156,13 +194,65 @@ def peak_bytes(fn: Callable[[], None], device: torch.device) -> int | None:
 
 
 def _inputs(shape: Shape, dtype: torch.dtype, device: torch.device):
+    """q, k, their half-width float32 tables, the positions ``(seq,)`` and ``inv_freq`` of one case."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(shape.batch, shape.q_heads, shape.seq, shape.head_dim, generator=gen).to(device, dtype)
     k = torch.randn(shape.batch, shape.k_heads, shape.seq, shape.head_dim, generator=gen).to(device, dtype)
     start = 4095 if shape.seq == 1 else 0  # decode: one new token after a 4k context
     inv_freq, _ = inv_frequencies(shape.head_dim)
-    cos, sin = cos_sin(torch.arange(start, start + shape.seq, device=device), inv_freq)
-    return q, k, cos, sin
+    positions = torch.arange(start, start + shape.seq, device=device)
+    cos, sin = cos_sin(positions, inv_freq)
+    return q, k, cos, sin, positions, inv_freq
+
+
+def _fused_peers(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, full_cos: torch.Tensor,
+                 full_sin: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                 compile_peer: bool) -> tuple[dict[str, Callable[[], object]], int]:
+    """The calls of the fused forms and their peers on a decode step, each checked against the reference first.
+
+    Returns ``({name: call}, bytes a cache write moves)``; names: ``norm transformers``, ``norm compile``
+    (with ``compile_peer``), ``norm ropekit``, ``cache copy``, ``cache transformers``, ``cache compile``,
+    ``cache ropekit``.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    head_dim = q.shape[-1]
+    q_weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(q.device, q.dtype)
+    k_weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(q.device, q.dtype)
+    eager_norm = norm_then_rotate(qwen3_norm(q_weight), qwen3_norm(k_weight), hf_recipe)
+    calls: dict[str, Callable[[], object]] = {
+        "norm transformers": lambda: eager_norm(q, k, full_cos, full_sin),
+        "norm ropekit": lambda: rms_norm_rotary_qk(q, k, q_weight, k_weight, cos, sin, eps=EPS),
+    }
+    if compile_peer:
+        compiled_norm = torch.compile(eager_norm, dynamic=False)
+        calls["norm compile"] = lambda: compiled_norm(q, k, full_cos, full_sin)
+    expected = (reference_rotation(reference_norm(q, q_weight), positions, inv_freq),
+                reference_rotation(reference_norm(k, k_weight), positions, inv_freq))
+    for name, impl in (("norm transformers", NORM_EAGER), ("norm compile", NORM_COMPILE), ("norm ropekit", NORM_OURS)):
+        if name in calls:
+            check(impl, calls[name](), expected)
+
+    v = torch.randn(k.shape, generator=gen).to(k.device, k.dtype)
+    batch, kv_heads, seq, _ = k.shape
+    slot = CACHE_SLOTS - seq  # the last slots, every call
+    k_cache = torch.zeros(batch, kv_heads, CACHE_SLOTS, head_dim, dtype=k.dtype, device=k.device)
+    v_cache = torch.zeros_like(k_cache)
+    index = torch.arange(slot, slot + seq, device=k.device)
+    calls["cache copy"] = lambda: copy_into_cache(k, v, k_cache, v_cache, index)
+    calls["cache transformers"] = lambda: rotate_then_copy(k, v, full_cos, full_sin, k_cache, v_cache, index)
+    if compile_peer:
+        compiled_cache = torch.compile(rotate_then_copy, dynamic=False)
+        calls["cache compile"] = lambda: compiled_cache(k, v, full_cos, full_sin, k_cache, v_cache, index)
+    calls["cache ropekit"] = lambda: rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slot)
+    expected = (reference_rotation(k, positions, inv_freq), v.to(torch.float64))
+    for name, impl in (("cache transformers", CACHE_EAGER), ("cache compile", CACHE_COMPILE),
+                       ("cache ropekit", CACHE_OURS)):
+        if name in calls:
+            k_cache.zero_()
+            v_cache.zero_()  # a row that wrote nothing fails its check
+            calls[name]()
+            check(impl, (k_cache[:, :, slot:], v_cache[:, :, slot:]), expected)
+    return calls, 2 * (k.numel() + v.numel()) * k.element_size()
 
 
 def bench_shape(
@@ -188,7 +278,7 @@ def bench_shape(
 def _case(shape: Shape, dtype: torch.dtype, device: torch.device, plan: Plan, *, backward: bool,
           compile_peer: bool) -> tuple[list[dict], float]:
     """``(rows, seconds of timed rounds)`` of one shape and dtype."""
-    q, k, cos, sin = _inputs(shape, dtype, device)
+    q, k, cos, sin, positions, inv_freq = _inputs(shape, dtype, device)
     nbytes = 2 * (q.numel() + k.numel()) * q.element_size()  # read + write of q and k
     full_cos = torch.cat((cos, cos), -1).to(dtype)
     full_sin = torch.cat((sin, sin), -1).to(dtype)
@@ -199,7 +289,9 @@ def _case(shape: Shape, dtype: torch.dtype, device: torch.device, plan: Plan, *,
         "in-place floor": lambda: (qi.mul_(1.0), ki.mul_(1.0)),
         "transformers": lambda: hf_recipe(q, k, full_cos, full_sin),
     }
-    warmup = {"compile": 3}
+    warmup = {name: 3 for name in ("compile", "norm compile", "cache compile")}
+    if compile_peer:
+        torch.compiler.reset()  # each case compiles its own (dynamo's recompile limit counts across cases)
     round_trip = dtype.itemsize == 2 and device.type == "cpu"
     if round_trip:
         wide_q, wide_k = torch.empty(q.shape), torch.empty(k.shape)
@@ -208,6 +300,14 @@ def _case(shape: Shape, dtype: torch.dtype, device: torch.device, plan: Plan, *,
     if compile_peer:
         compiled = torch.compile(hf_recipe, dynamic=False)
         calls["compile"] = lambda: compiled(q, k, full_cos, full_sin)
+    expected = (reference_rotation(q, positions, inv_freq), reference_rotation(k, positions, inv_freq))
+    check("transformers eager", calls["transformers"](), expected)
+    if compile_peer:
+        check("transformers + torch.compile", calls["compile"](), expected)
+    cache_bytes = 0
+    if shape.seq == 1:  # a decode step: the fused forms and their peers
+        fused, cache_bytes = _fused_peers(q, k, cos, sin, full_cos, full_sin, positions, inv_freq, compile_peer)
+        calls.update(fused)
     native_to = {"cpu": "cpu", "triton": "cuda"}  # elsewhere these fall back to the torch backend
     backends = []
     for name in ops.available():
@@ -247,7 +347,7 @@ def _case(shape: Shape, dtype: torch.dtype, device: torch.device, plan: Plan, *,
 
     def add(impl: str, mode: str, timing: Timing, floor: Timing, peer: Timing | None, saved: int | None = None,
             peak: int | None = None) -> None:
-        moved = nbytes * (2 if mode == "fwd+bwd" else 1)
+        moved = cache_bytes if mode == "into cache" else nbytes * (2 if mode == "fwd+bwd" else 1)
         ms = timing.estimate
         row = {
             "shape": shape.name, "dims": [shape.batch, shape.q_heads, shape.k_heads, shape.seq, shape.head_dim],
@@ -273,6 +373,17 @@ def _case(shape: Shape, dtype: torch.dtype, device: torch.device, plan: Plan, *,
         add(name, "in-place", t[f"{name} in-place"], inplace_floor, None)
     if liger is not None:
         add("liger-kernel", "in-place", t["liger"], inplace_floor, None)
+    if cache_bytes:
+        norm_eager, cache_floor, cache_eager = t["norm transformers"], t["cache copy"], t["cache transformers"]
+        add(NORM_EAGER, "norm + rotation", norm_eager, copy, norm_eager)
+        if compile_peer:
+            add(NORM_COMPILE, "norm + rotation", t["norm compile"], copy, norm_eager)
+        add(NORM_OURS, "norm + rotation", t["norm ropekit"], copy, norm_eager)
+        add(CACHE_COPY, "into cache", cache_floor, cache_floor, cache_eager)
+        add(CACHE_EAGER, "into cache", cache_eager, cache_floor, cache_eager)
+        if compile_peer:
+            add(CACHE_COMPILE, "into cache", t["cache compile"], cache_floor, cache_eager)
+        add(CACHE_OURS, "into cache", t["cache ropekit"], cache_floor, cache_eager)
     if backward:
         hf_bwd = t["transformers fwd+bwd"]
         add("transformers eager", "fwd+bwd", hf_bwd, copy.scaled(2), hf_bwd, saved_bytes(theirs),
@@ -300,7 +411,8 @@ def run(
         shapes, dtypes: override the sweep.
         device: ``"cpu"`` or ``"cuda"`` (default: CUDA when available).
         repeats: timed rounds per case at least (default 5 quick, 21 full).
-        compile_peer: also time ``torch.compile`` of the transformers recipe (slow to compile).
+        compile_peer: also time ``torch.compile`` of the transformers recipes (slow to compile; default: not
+            with ``quick``).
         budget_s: seconds of timed rounds in all, split over the cases (default
             :data:`QUICK_BUDGET_S` or :data:`FULL_BUDGET_S`); 0 times ``repeats`` rounds only.
         max_repeats: rounds per case at most (default 20 times ``repeats``).

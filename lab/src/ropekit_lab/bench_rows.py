@@ -27,7 +27,16 @@ from typing import Any
 
 #: Rows that are floors or references themselves, not implementations judged against a floor.
 COPY, INPLACE_PASS, ROUND_TRIP = "copy (x.clone)", "in-place pass (x.mul_)", "float32 round trip (x -> f32 -> x)"
-REFERENCES = (COPY, INPLACE_PASS, ROUND_TRIP)
+#: The floor of a cache write: k and v copied into their slots, nothing rotated.
+CACHE_COPY = "cache copy (index_copy_ of k, v)"
+REFERENCES = (COPY, INPLACE_PASS, ROUND_TRIP, CACHE_COPY)
+#: The fused forms' rows (decode steps): q/k norm + rotation, and keys rotated into a cache.
+NORM_EAGER, NORM_COMPILE, NORM_OURS = ("transformers Qwen3RMSNorm + rotation",
+                                       "transformers Qwen3RMSNorm + rotation, torch.compile",
+                                       "ropekit rms_norm_rotary_qk")
+CACHE_EAGER, CACHE_COMPILE, CACHE_OURS = ("transformers rotate then index_copy_",
+                                          "transformers rotate then index_copy_, torch.compile",
+                                          "ropekit rotate_into_cache")
 
 NOISE_LIMIT_PCT = 10.0
 #: The uncertainty (%) at which a call's time is known and it leaves the rounds: half the noise limit.
@@ -45,7 +54,14 @@ IMPLEMENTATIONS = {
                 "tensors by torch, the least work of any kernel that computes in float32",
     "transformers eager": "transformers' own apply_rotary_pos_emb (Llama): q·cos + rotate_half(q)·sin with "
                           "full-width tables in the activation dtype",
-    "transformers + torch.compile": "the same transformers recipe compiled by torch.compile",
+    "transformers + torch.compile": "the same transformers recipe compiled by torch.compile (full run only)",
+    CACHE_COPY: "floor of a cache write: index_copy_ of k and v into their static-cache slot, nothing rotated",
+    NORM_EAGER: "transformers' Qwen3RMSNorm on q and on k, then its apply_rotary_pos_emb (eager)",
+    NORM_COMPILE: "the same norms and rotation compiled by torch.compile (full run only)",
+    NORM_OURS: "ropekit.rms_norm_rotary_qk: both norms and the rotation in one pass",
+    CACHE_EAGER: "k rotated by transformers' recipe, then k and v index_copy_'d into their slot (StaticCache's write)",
+    CACHE_COMPILE: "the same rotation and cache write compiled by torch.compile (full run only)",
+    CACHE_OURS: "ropekit.rotate_into_cache: k rotated and v copied straight into their slots, one pass",
     "liger-kernel": "Liger's Triton RoPE kernel (liger-kernel, CUDA, in place)",
     "ropekit auto": "ropekit.apply_rotary_qk with backend=\"auto\", forward then backward (a rotation of the "
                     "gradient by −θ)",
@@ -59,6 +75,10 @@ MODES = {
     "out-of-place": "writes new q and k tensors; timed against the copy floor",
     "in-place": "overwrites q and k; timed against the in-place floor",
     "fwd+bwd": "forward and backward with autograd; timed against two copies",
+    "norm + rotation": "q and k normalised (RMSNorm per head, Qwen3's) then rotated, out of place; timed against "
+                       "the copy floor (decode steps)",
+    "into cache": "k rotated and written with v into the last slot of a (batch, kv_heads, 256, head_dim) cache; "
+                  "timed against the cache copy floor (decode steps)",
 }
 
 #: ``(header, meaning)`` of each column of the speed table, in order.
@@ -70,6 +90,8 @@ COLUMNS = (
     ("ms", "wall time of one call on q and k, in milliseconds: the lower quartile of the repeats, interleaved "
            "with the other calls of the same shape and dtype"),
     ("± %", "uncertainty of ms: half-width of its 95% confidence interval, as a percentage of it"),
+    ("spread %", "spread of the repeats: their interquartile range as a percentage of their median (a busy machine "
+                 "keeps it wide however long one measures)"),
     ("GB/s", "bytes read and written (q and k, once each way) per second, at ms"),
     ("× copy speed", "floor time / this time: 1 = as fast as moving the same bytes, the best a rotation can do "
                      "up to noise"),
@@ -164,14 +186,14 @@ def format_table(rows: list[dict]) -> str:
     notice = busy_notice(rows)
     lines = [notice] if notice else []
     lines += ["| " + " | ".join(name for name, _ in COLUMNS) + " |",
-              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     shown = set()
     for r in rows:
         flags = shown_flags(r, notice is not None)
         shown.update(flags)
         cells = [r["shape"], r["dtype"], r["impl"], r["mode"], f"{r['ms']:.3f}", _number(r.get("error_pct"), 1),
-                 f"{r['gbps']:.1f}", f"{r['ratio_copy']:.2f}", _number(r["ratio_hf"], 1),
-                 _number(r["saved_mb"], 1), _number(r.get("peak_mb"), 1), ", ".join(flags)]
+                 _number(r.get("spread_pct"), 0), f"{r['gbps']:.1f}", f"{r['ratio_copy']:.2f}",
+                 _number(r["ratio_hf"], 1), _number(r["saved_mb"], 1), _number(r.get("peak_mb"), 1), ", ".join(flags)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [f"{flag}: {FLAGS[flag]}" for flag in FLAGS if flag in shown]
     summary = measuring(rows)

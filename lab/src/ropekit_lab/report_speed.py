@@ -29,9 +29,9 @@ def _flag_cell(row: dict[str, Any], busy: bool) -> str:
 def _cells(row: dict[str, Any], busy: bool) -> list[Any]:
     """One row in the order of :data:`COLUMNS` (numbers stay numbers, text is escaped)."""
     return [esc(row["shape"]), esc(row["dtype"]), esc(row["impl"]), esc(row["mode"]), row["ms"],
-            _round(row.get("error_pct"), 1), _round(row["gbps"], 1), _round(row["ratio_copy"], 2),
-            _round(row["ratio_hf"], 1), _round(row["saved_mb"], 1), _round(row.get("peak_mb"), 1),
-            _flag_cell(row, busy)]
+            _round(row.get("error_pct"), 1), _round(row.get("spread_pct"), 0), _round(row["gbps"], 1),
+            _round(row["ratio_copy"], 2), _round(row["ratio_hf"], 1), _round(row["saved_mb"], 1),
+            _round(row.get("peak_mb"), 1), _flag_cell(row, busy)]
 
 
 def speed_section(rows: list[dict[str, Any]]) -> str:

@@ -19,7 +19,9 @@ How a run ends, whatever the verb (:func:`main` applies the rule, the verbs do n
 - exit 130 and ``ropekit <verb>: interrupted`` on Ctrl-C, also when the ``KeyboardInterrupt``
   was raised inside a callback Python ignores exceptions of (a weakref or ``__del__`` callback):
   the SIGINT handler records the interrupt, no output is moved into place after it
-  (:func:`ropekit.files.raise_if_interrupted`), and a verb that returns after it still ends 130;
+  (:func:`ropekit.files.raise_if_interrupted`), a verb that returns after it still ends 130, and so
+  does one that fails with any other exception after it (Ctrl-C during an import leaves the module
+  half-loaded, and the next import of it raises ``ImportError``);
 - anything else is a bug and keeps Python's traceback (exit 1): ``KeyError``, ``AttributeError``,
   ``RuntimeError``, a ``ValueError`` raised inside torch or by a builtin such as ``int("x")``, an
   ``OSError`` on one of ropekit's own files.
@@ -52,7 +54,7 @@ VERBS = ("inspect", "decay", "convert")
 #: a module with ``add_parser(verbs)`` and ``run(args)`` as the library's verb modules have.
 VERB_GROUP = "ropekit.verbs"
 #: The verbs the lab (``ropekit-lab``) adds, in the order ``ropekit --help`` lists them after the library's.
-LAB_VERBS = ("report", "bench", "train", "extrapolate", "probe")
+LAB_VERBS = ("report", "bench", "train", "extrapolate", "probe", "extend")
 
 
 def installed_verbs() -> dict[str, Any]:
@@ -118,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, previous)
 
 
+def _interrupted(verb: str | None) -> int:
+    """Say the run was interrupted; the exit code 130."""
+    print(f"{'ropekit ' + verb if verb else 'ropekit'}: interrupted", file=sys.stderr)
+    return 130
+
+
 def _run(argv: list[str]) -> int:
     """Parse, run the verb and turn how it ended into the exit code (the module docstring's rule)."""
     verb = _verb_in(argv)
@@ -135,13 +143,15 @@ def _run(argv: list[str]) -> int:
             files.raise_if_interrupted()  # an interrupt dropped by Python on the way still ends the run
             return code
     except KeyboardInterrupt:
-        print(f"{'ropekit ' + verb if verb else 'ropekit'}: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(verb)
     except BrokenPipeError:  # the reader of stdout went away (`ropekit inspect ... | head`): nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 1
-    except (UserError, ValueError, TypeError, OSError) as exc:
-        message = None if args is None else user_error_message(exc, args)
+    except Exception as exc:
+        if files.was_interrupted():  # the interrupt broke something on its way (an import it cut short)
+            return _interrupted(verb)
+        user_kind = isinstance(exc, (UserError, ValueError, TypeError, OSError))
+        message = None if args is None or not user_kind else user_error_message(exc, args)
         if message is None:
             raise
         print(f"ropekit {args.verb}: error: {message}", file=sys.stderr)

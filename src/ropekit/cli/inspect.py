@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  attention scale {info['attention_scale']:.6g} on cos and sin (logits x{info['logit_scale']:.6g})")
     print(f"  context {info['context']:,} tokens ({info['context_source']}); "
           f"frequencies at seq_len {info['seq_len']:,}")
+    if info["layer_schedule"]:
+        _print_layer_schedule(info["layer_schedule"])
     axes = info["axes"]
     if axes:
         _print_axes(axes)
@@ -62,6 +64,20 @@ def run(args: argparse.Namespace) -> int:
         print(line + (f"  {regime[i]}" if regime else ""))
     _print_inspect_summary(info)
     return 0
+
+
+def _print_layer_schedule(schedule: dict) -> None:
+    rope, nope = schedule["rope_layers"], schedule["nope_layers"]
+    shown = ", ".join(map(str, nope[:8])) + (f", ... ({len(nope)} in all)" if len(nope) > 8 else "")
+    print(f"  layers: {schedule['layers']}; RoPE on {len(rope)}, none (NoPE) on {len(nope)}"
+          + (f": {shown}" if nope else ""))
+    if schedule["attention_chunk_size"] is not None:
+        print(f"    RoPE layers attend in chunks of {schedule['attention_chunk_size']:,} tokens (not RoPE: "
+              "transformers' mask)")
+    tuning = schedule["temperature_tuning"]
+    if tuning is not None:
+        print(f"    NoPE layers scale q by 1 + {tuning['attn_scale']} * log(1 + floor((p + 1) / "
+              f"{tuning['floor_scale']})) at position p (not RoPE: transformers' attention)")
 
 
 def _print_axes(axes: dict) -> None:

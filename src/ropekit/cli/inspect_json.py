@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..config import RopeConfig
+from ..config import LayerSchedule, RopeConfig
 from ..rope.analysis import (
     base_lower_bound,
     bound_positions,
@@ -27,7 +27,7 @@ from ..rope.scaling import ScalingRule, rope_type_of_rule
 from ..validation import check_context
 from .inspect_axes import axis_summary
 
-__all__ = ["DEFAULT_CONTEXT", "default_context", "describe", "rule_parameters"]
+__all__ = ["DEFAULT_CONTEXT", "default_context", "describe", "layer_schedule", "rule_parameters"]
 
 #: Context assumed for a config that does not say (no ``max_position_embeddings``).
 DEFAULT_CONTEXT = 4096
@@ -38,6 +38,25 @@ def rule_parameters(rule: ScalingRule | None) -> dict[str, Any]:
     if rule is None:
         return {}
     return {key: list(value) if isinstance(value, tuple) else value for key, value in dataclasses.asdict(rule).items()}
+
+
+def layer_schedule(schedule: LayerSchedule | None) -> dict[str, Any] | None:
+    """A :class:`ropekit.LayerSchedule` as a JSON-ready dict (``None`` when every layer rotates).
+
+    Keys: ``layers``, ``rope_layers`` and ``nope_layers`` (indices), ``attention_chunk_size``
+    (Llama 4's chunked attention on the RoPE layers, or ``None``) and ``temperature_tuning``
+    (``{"floor_scale", "attn_scale"}`` on the NoPE layers, or ``None``).
+    """
+    if schedule is None:
+        return None
+    tuning = schedule.temperature_tuning
+    return {
+        "layers": schedule.num_layers,
+        "rope_layers": list(schedule.rope_layers),
+        "nope_layers": list(schedule.nope_layers),
+        "attention_chunk_size": schedule.attention_chunk_size,
+        "temperature_tuning": None if tuning is None else {"floor_scale": tuning[0], "attn_scale": tuning[1]},
+    }
 
 
 def _finite(values: torch.Tensor) -> list[float | None]:
@@ -81,7 +100,8 @@ def describe(config: RopeConfig, *, context: int | None = None, seq_len: int | N
         its square), ``max_positions``, ``context``, per-pair lists (``theta`` unscaled,
         ``inv_freq``, ``wavelength``, ``rotations``, ``interpolation`` = theta / inv_freq,
         ``regime``) and the summary (``pairs_without_full_rotation``, ``pretraining``,
-        ``base_lower_bound``, ``similarity_negative_at``); ``axes`` (``None`` for 1-D RoPE) from
+        ``base_lower_bound``, ``similarity_negative_at``); ``layer_schedule`` (:func:`layer_schedule`:
+        which layers rotate, ``None`` when all do); ``axes`` (``None`` for 1-D RoPE) from
         :func:`ropekit.cli.inspect_axes.axis_summary` for a multi-axis config, whose base bound is
         only computed when its frequencies are the one ladder ``base^(-2i/d)`` (M-RoPE, not axial).
 
@@ -137,6 +157,7 @@ def describe(config: RopeConfig, *, context: int | None = None, seq_len: int | N
     result["similarity_negative_at"] = first_negative_position(inv_freq, positions)
     bound = bound and one_ladder  # Men et al.'s bound is about one ladder base^(-2i/d)
     result["base_lower_bound"] = base_lower_bound(config.rotary_dim, context) if bound else None
+    result["layer_schedule"] = layer_schedule(config.layer_schedule)
     result["axes"] = None
     if axes is not None:
         result["axes"] = axis_summary(config.axis_plan(seq_len), context)

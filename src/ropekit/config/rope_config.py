@@ -9,14 +9,15 @@ from typing import Any
 
 import torch
 
-from ..rope.axes import AxisPlan, mrope, single_axis
+from ..rope.axes import AxisPlan, single_axis
 from ..rope.scaling import DynamicNTK, LongRoPE, Proportional
 from ..validation import check_even_positive, check_layout, check_length, check_positive_float
 from .diffusers import diffusers_rope
 from .families import model_types_where
 from .layout_record import hf_layout, read_layout_record
-from .multimodal import mrope_layout, multi_axis_keys
+from .multimodal import mrope_layout, mrope_plan, multi_axis_keys
 from .rules import METADATA_KEYS, PLAIN_ROPE_TYPES, RULE_KEYS, inv_frequencies, rope_type_of, rule_from_dict
+from .schedules import LayerSchedule, read_layer_schedule
 
 #: Model types whose Hugging Face checkpoints pair channels ``(2i, 2i+1)`` (complex / interleaved
 #: apply). ``rope_interleave`` in a config overrides this table either way.
@@ -43,6 +44,9 @@ class RopeConfig:
             axial) with ``rotary_dim // 2`` pairs. With a ``scaling`` rule too, the plan's
             frequencies must be the rule's (``from_hf`` builds it so) and the rule stays the source
             of length-dependent frequencies (:meth:`axis_plan`).
+        layer_schedule: ``None`` when every layer rotates, or a :class:`ropekit.LayerSchedule`
+            saying which layers apply this RoPE and which apply none (SmolLM3's and Llama 4's NoPE
+            layers); ``from_hf`` reads it from ``no_rope_layers`` / ``no_rope_layer_interval``.
 
     Construction checks everything, including that the rule fits ``rotary_dim`` (LongRoPE lists).
     """
@@ -54,6 +58,7 @@ class RopeConfig:
     scaling: Any = None
     max_positions: int | None = None
     axes: AxisPlan | None = None
+    layer_schedule: LayerSchedule | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -75,6 +80,9 @@ class RopeConfig:
             raise TypeError(f"scaling must be None or a ropekit.scaling rule, got {type(self.scaling).__name__}")
         if self.axes is not None:
             self._check_axes()
+        if self.layer_schedule is not None and not isinstance(self.layer_schedule, LayerSchedule):
+            raise TypeError(f"layer_schedule must be None or a ropekit.LayerSchedule, got "
+                            f"{type(self.layer_schedule).__name__}")
         self.inv_frequencies()  # the rule's own checks against rotary_dim and base
 
     def _check_axes(self) -> None:
@@ -134,11 +142,15 @@ class RopeConfig:
         ``original_max_position_embeddings`` (Phi-3, which wins as in Hugging Face); Gemma 3's
         ``rope_local_base_freq``; multimodal configs through ``text_config``.
 
-        Multi-axis RoPE (:attr:`axes` set): the M-RoPE of Qwen2-VL, Qwen2.5-VL and Qwen3-VL
-        (``mrope_section``, ``"type": "mrope"``, ``mrope_interleaved``; the pair-to-axis map follows
-        the model type, see :mod:`ropekit.config.multimodal`), and diffusers transformer configs
+        Multi-axis RoPE (:attr:`axes` set): the M-RoPE of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen2.5-Omni
+        (the thinker's, through ``thinker_config``), GLM-4.1V / 4.5V and ERNIE-4.5-VL (``mrope_section``,
+        ``"type": "mrope"``, ``mrope_interleaved``; the pair-to-axis map follows the model type, see
+        :mod:`ropekit.config.multimodal`), and diffusers transformer configs
         (``_class_name``: FLUX.1, FLUX.2, HunyuanVideo, Wan, CogVideoX; axial, interleaved pairing).
         A config with multi-axis keys ropekit cannot represent raises; it never becomes 1-D RoPE.
+
+        Layers without RoPE (:attr:`layer_schedule`): SmolLM3's and Llama 4's ``no_rope_layers``
+        (``1``: the layer uses RoPE), else ``no_rope_layer_interval`` (see :mod:`ropekit.config.schedules`).
 
         Args:
             config: a ``config.json`` dict or an object with ``to_dict()``.
@@ -151,7 +163,8 @@ class RopeConfig:
                 so that a KV cache stays consistent; ignored for static rules.
 
         Raises:
-            ValueError: missing or inconsistent keys; the message names the key and the value.
+            ValueError: missing or inconsistent keys; the message names the key and the value (a
+                ``no_rope_layers`` whose length is not ``num_hidden_layers`` too).
         """
         if isinstance(config, Mapping):  # a config.json that ropekit convert recorded a layout in
             config, recorded = read_layout_record(config)
@@ -185,9 +198,9 @@ class RopeConfig:
                 scaling = dataclasses.replace(scaling, fixed_seq_len=fixed_seq_len)
         axes = None
         if axis_keys is not None:
-            section, interleaved = mrope_layout(cfg.get("model_type"), axis_keys)
+            section, kind = mrope_layout(cfg.get("model_type"), axis_keys)
             inv_freq, scale = inv_frequencies(rotary_dim, base, scaling)
-            axes = mrope(inv_freq, section, interleaved=interleaved, attention_scale=scale)
+            axes = mrope_plan(inv_freq, section, kind, scale)
         return cls(
             head_dim=head_dim,
             rotary_dim=rotary_dim,
@@ -196,6 +209,7 @@ class RopeConfig:
             scaling=scaling,
             max_positions=max_positions,
             axes=axes,
+            layer_schedule=read_layer_schedule(cfg),
         )
 
 
@@ -210,6 +224,9 @@ def _as_dict(config: Any) -> dict[str, Any]:
         cfg = config.to_dict()
     else:
         raise TypeError(f"config must be a config.json dict or a transformers config, got {type(config).__name__}")
+    thinker = cfg.get("thinker_config")  # Qwen2.5-Omni: the thinker's language model (the talker has its own)
+    if isinstance(thinker, Mapping) and not any(key in cfg for key in ("text_config", "hidden_size", "head_dim")):
+        cfg = {"model_type": cfg.get("model_type"), **thinker}
     text = cfg.get("text_config")
     if isinstance(text, Mapping) and not any(key in cfg for key in ("hidden_size", "head_dim", "n_embd")):
         cfg = {"model_type": cfg.get("model_type"), **text}  # multimodal wrapper: the language model's rope

@@ -31,8 +31,10 @@ RULE_KEYS = RuleKeys()
 def rope_type_of(params: Mapping[str, Any]) -> str:
     """The rule name of a rope dict: ``rope_type`` (or the legacy ``type``), ``"default"`` if absent.
 
-    Aliases are resolved (``"su"`` is LongRoPE) and, as Hugging Face's Phi-3 config does, a
-    ``"yarn"`` dict carrying ``short_factor`` and ``long_factor`` is read as LongRoPE.
+    Aliases are resolved (``"su"`` is LongRoPE); as Hugging Face's Phi-3 config does, a ``"yarn"``
+    dict carrying ``short_factor`` and ``long_factor`` is read as LongRoPE; and as transformers'
+    HunYuan code does, a ``"dynamic"`` dict with a non-zero ``alpha`` is HunYuan's fixed NTK alpha
+    (``ntk_alpha``).
     """
     rope_type, legacy = params.get("rope_type"), params.get("type")
     if rope_type is not None and legacy is not None and rope_type != legacy:
@@ -45,6 +47,8 @@ def rope_type_of(params: Mapping[str, Any]) -> str:
     kind = canonical_rope_type(kind)
     if kind == "yarn" and "short_factor" in params and "long_factor" in params:
         return "longrope"
+    if kind == "dynamic" and params.get("alpha"):
+        return "ntk_alpha"
     return kind
 
 

@@ -22,6 +22,13 @@ models of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (multi-axis M-RoPE). :func:`patch`:
   by :func:`ropekit.rms_norm_rotary_qk` (``fuse=False`` keeps transformers' norms);
 * with a cache from :func:`static_cache`, rotates the new keys straight into the cache's slots
   (:mod:`.transformers_cache`);
+* for the families with layers without RoPE (SmolLM3, Llama 4: ``no_rope_layers``), keeps the
+  model's schedule and refuses, at patch time and at run time, a NoPE layer that would rotate or
+  a RoPE layer that would not (:mod:`.transformers_schedules`). Llama 4's text model, whose rotation
+  is a complex product (``freqs_cis``, ``apply_rotary_emb``), is patched by :mod:`.transformers_llama4`;
+* for DeepSeek-V3's MLA (and its copies), replaces the modeling module's
+  ``apply_rotary_pos_emb_interleave`` too (:mod:`.transformers_mla`): the interleaved rope slices
+  of ``rope_interleave: true`` configs are rotated by :func:`ropekit.mla.apply_rotary_mla`;
 * while ``torch.compile`` traces the model, defers nothing and rotates q/k with plain torch
   expressions that inductor fuses with the norms and the cache write around them
   (:mod:`.transformers_compile`): an opaque kernel in the graph would cut that fusion.
@@ -45,13 +52,17 @@ from typing import Any
 import torch
 
 from ..config import RopeConfig
+from ..config.families import modeling_layout
 from ..functional import apply_rotary, apply_rotary_qk
 from ..fused import rms_norm_rotary, rms_norm_rotary_qk
 from ..rope.axes import AxisPlan
 from ..rope.frequencies import cos_sin
 from ..validation import check_layout
 from . import transformers_compile as traced
+from . import transformers_llama4 as llama4
+from . import transformers_mla as mla
 from . import transformers_norms as norms
+from . import transformers_schedules as schedules
 from .transformers_norms import Call, current
 
 __all__ = [
@@ -99,6 +110,7 @@ def _dispatcher(original):
         call = current()
         if call is None:
             return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
+        schedules.start_rotation(call, "apply_rotary_pos_emb")
         if args:
             unsqueeze_dim = args[0]
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)  # half-width tables of _rotary_forward
@@ -162,14 +174,15 @@ def _language_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _attention_forward(original, layout: str, backend: str, fuse: bool, rotating_layer):
+def _attention_forward(original, layout: str, backend: str, fuse: bool, rotating_layer, entry=None):
     def forward(self, *args, **kwargs):
         cache = kwargs.get("past_key_values")
         layers = getattr(cache, "layers", None)
         index = getattr(self, "layer_idx", None)
         layer = layers[index] if rotating_layer is not None and layers and index is not None and index < len(
             layers) else None
-        call = Call(layout, backend, fuse, layer if isinstance(layer, rotating_layer or ()) else None)
+        call = Call(layout, backend, fuse, layer if isinstance(layer, rotating_layer or ()) else None,
+                    layer_rotates=entry)
         norms.ACTIVE.append(call)
         try:
             result = original(*args, **kwargs)
@@ -178,6 +191,7 @@ def _attention_forward(original, layout: str, backend: str, fuse: bool, rotating
             raise
         norms.ACTIVE.pop()
         norms.check_consumed(call, self)
+        schedules.check_rotated(call, self)
         return result
 
     return forward
@@ -222,8 +236,8 @@ def _frequencies(model: torch.nn.Module, rope: RopeConfig | None, rotary: list,
     first = own[layer_types[0]]
     own_axes = first.axes.n_axes if first.axes else 1
     if rope is None:
-        for cfg in own.values() if layout is None else ():
-            if cfg.layout != "half":
+        for cfg in own.values() if layout is None and not mla.rotates_interleaved_itself(model) else ():
+            if cfg.layout != modeling_layout(getattr(model.config, "model_type", None)):
                 # e.g. rope_interleave configs: their modeling code may rotate in its own way; be explicit
                 raise ValueError(f"{type(model).__name__}'s config implies layout {cfg.layout!r}; pass layout= (or "
                                  "rope=) with the layout its q/k weights are stored in")
@@ -238,6 +252,7 @@ def _frequencies(model: torch.nn.Module, rope: RopeConfig | None, rotary: list,
         if own_axes != rope_axes:
             raise ValueError(f"rope has {rope_axes} position axes but {type(model).__name__} has {own_axes} "
                              f"({first.axes!r}); pass a RopeConfig with a matching axis plan")
+        rope = schedules.with_model_schedule(rope, first, type(model).__name__)  # a NoPE layer stays NoPE
         chosen = {t: rope for t in layer_types}
     if layout is not None:
         layout = check_layout(layout)
@@ -258,6 +273,8 @@ def patchable_modules(model: torch.nn.Module) -> tuple[list[torch.nn.Module], li
     naming the model class when either list is empty or the modeling code's ``apply_rotary_pos_emb``
     is not the ``(q, k, cos, sin)`` form: a family :func:`patch` does not support.
     """
+    if llama4.handles(model):  # complex freqs_cis and apply_rotary_emb
+        return llama4.patchable_modules(model)
     text = _language_model(model)  # a multimodal model's vision tower is left alone
     rotary = [m for m in text.modules() if _is_rotary(m)]
     attention = [m for m in text.modules() if type(m).__name__.endswith("Attention") and _modeling_module(m)]
@@ -266,7 +283,8 @@ def patchable_modules(model: torch.nn.Module) -> tuple[list[torch.nn.Module], li
         raise ValueError(f"{type(model).__name__}: found {len(rotary)} rotary embedding and {len(attention)} "
                          "attention modules; ropekit.integrations.transformers supports models with a "
                          "*RotaryEmbedding module and apply_rotary_pos_emb(q, k, cos, sin) (Llama, Mistral, Qwen2/3, "
-                         "Gemma 3, OLMo 2/3, Phi-3, GPT-NeoX, Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
+                         "Gemma 3, OLMo 2/3, Phi-3, GPT-NeoX, SmolLM3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL; Llama 4 "
+                         "text models through their apply_rotary_emb)")
     return rotary, attention
 
 
@@ -285,22 +303,31 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, layout: str
         layout: the pairing q/k are rotated with, replacing ``rope``'s (or the model's own):
             ``"interleaved"`` for q/k rows in Meta / llama.cpp order, e.g. the output of ``ropekit
             convert --to interleaved`` (:func:`load_converted` loads such a directory and passes it);
-            default ``None``: ``rope``'s layout, or ``"half"`` for the model's own config.
+            default ``None``: ``rope``'s layout, or ``"half"`` for the model's own config
+            (``"interleaved"`` for Llama 4, whose modeling code rotates the pairs ``(2i, 2i + 1)``).
         backend: ropekit backend for the rotation (``"auto"`` or a name from ``ropekit.ops.available()``).
         fuse: normalise q and k inside the rotation for the families with q/k norms (see the module
             docstring), and rotate keys into the slots of a :func:`static_cache`. With ``fuse=False``
             the modeling code's own q/k norms run and ``apply_rotary_pos_emb`` receives its q/k as
             transformers computes them.
 
+    A model with layers without RoPE (SmolLM3, Llama 4) keeps its config's schedule, ``rope=`` or not.
+
     Raises:
-        ValueError: already patched, no rotary/attention module found, or ``rope`` that does not fit.
+        ValueError: already patched, no rotary/attention module found, ``rope`` that does not fit
+            (its ``layer_schedule`` another than the model's included), or an attention module whose
+            ``use_rope`` disagrees with the config's ``no_rope_layers``.
     """
     if getattr(model, _STATE, None) is not None:
         raise ValueError("model is already patched by ropekit; call unpatch(model) first")
     if not isinstance(fuse, bool):
         raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
+    if llama4.handles(model):
+        setattr(model, _STATE, llama4.patch(model, rope=rope, layout=layout, backend=backend))
+        return model
     rotary, attention = patchable_modules(model)
     frequencies, rope = _frequencies(model, rope, rotary, layout)
+    entries = schedules.layer_entries(attention, rope.layer_schedule)  # raises where use_rope disagrees
     for m in rotary:
         if rope.axes is not None:
             m.forward = types.MethodType(_multi_axis_rotary_forward(rope.axis_plan()), m)
@@ -315,9 +342,9 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, layout: str
         rotating_layer = RotatingStaticLayer
     deferred = [n for m in attention for n in (norms.install(m) if fuse else [])]
     modules = []
-    for m in attention:
+    for m, entry in zip(attention, entries, strict=True):
         into_cache = rotating_layer if type(m).__name__ in norms.KEY_INTO_CACHE_ATTENTION else None
-        m.forward = types.MethodType(_attention_forward(m.forward, rope.layout, backend, fuse, into_cache), m)
+        m.forward = types.MethodType(_attention_forward(m.forward, rope.layout, backend, fuse, into_cache, entry), m)
         mod = _modeling_module(m)
         if mod.__name__ not in modules:
             modules.append(mod.__name__)
@@ -327,6 +354,7 @@ def patch(model: torch.nn.Module, *, rope: RopeConfig | None = None, layout: str
             _INSTALLED[name] = [mod.apply_rotary_pos_emb, 0]
             mod.apply_rotary_pos_emb = _dispatcher(mod.apply_rotary_pos_emb)
         _INSTALLED[name][1] += 1
+        mla.install(name)  # DeepSeek MLA's apply_rotary_pos_emb_interleave, where the modeling module has one
     setattr(model, _STATE, {"rotary": rotary, "attention": attention, "norms": deferred, "modules": modules,
                             "rope": rope})
     return model
@@ -340,11 +368,14 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     for m in state["rotary"] + state["attention"] + state["norms"]:
         m.__dict__.pop("forward", None)
     for name in state["modules"]:
+        mla.uninstall(name)
         entry = _INSTALLED[name]
         entry[1] -= 1
         if entry[1] == 0:
             sys.modules[name].apply_rotary_pos_emb = entry[0]
             del _INSTALLED[name]
+    for undo in state.get("undo", ()):  # the Llama 4 text model's apply_rotary_emb
+        undo()
     delattr(model, _STATE)
     return model
 

@@ -58,6 +58,8 @@ class Call:
     cache_layer: Any = None  # a ropekit cache layer the keys may be rotated into, or None
     pending: dict = field(default_factory=dict)  # "q"/"k" -> (deferred norm input, NormSpec)
     deferred_key: Any = None  # (returned key, k, spec or None, cos, sin) for the cache layer's update
+    layer_rotates: tuple[int, bool] | None = None  # (layer index, whether its NoPE schedule rotates it), or None
+    rotated: bool = False  # whether the rotation ran in this call
 
 
 ACTIVE: list[Call] = []  # the patched attention calls now running, innermost last

@@ -133,6 +133,7 @@ class MultiAxisRotaryEmbedding(nn.Module):
         seq_dim: int | None = None,
         tables: tuple[torch.Tensor, torch.Tensor] | None = None,
         inplace: bool = False,
+        inverse: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotate queries and keys by their position vectors.
 
@@ -145,6 +146,7 @@ class MultiAxisRotaryEmbedding(nn.Module):
             seq_dim: the sequence axis of q and k (the low-level spelling; both given must agree).
             tables: ``(cos, sin)`` from :meth:`cos_sin` instead of ``positions`` (one of the two).
             inplace: rotate q and k in place.
+            inverse: rotate by ``-theta`` (every pair by minus its angle ``p @ F``): undoes a forward call.
 
         Returns:
             ``(q_rotated, k_rotated)`` (``k_rotated`` is ``None`` when ``k`` is).
@@ -164,9 +166,10 @@ class MultiAxisRotaryEmbedding(nn.Module):
         _no_offset(offset)
         seq_dim = _order(q, tensor_format, seq_dim, positions, cos.shape[-2] if cos.dim() >= 2 else None)
         cos, sin = _tables_against(q, cos, sin, seq_dim)
+        options = dict(layout=self.layout, inplace=inplace, inverse=inverse, backend=self.backend)
         if k is None:
-            return apply_rotary(q, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend), None
-        return apply_rotary_qk(q, k, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
+            return apply_rotary(q, cos, sin, **options), None
+        return apply_rotary_qk(q, k, cos, sin, **options)
 
     @classmethod
     def from_config(cls, config: Any, *, backend: str = "auto") -> MultiAxisRotaryEmbedding:
@@ -242,9 +245,9 @@ class MixedRotaryEmbedding(nn.Module):
         return torch.cos(angles).to(torch.float32), torch.sin(angles).to(torch.float32)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor | None = None, *,
-                offset: int = 0, tensor_format: str | None = None,
-                seq_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rotate q, k by the ``(N, 2)`` positions (required; ``offset`` must be 0).
+                offset: int = 0, tensor_format: str | None = None, seq_dim: int | None = None,
+                inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rotate q, k by the ``(N, 2)`` positions (required; ``offset`` must be 0); ``inverse``: by minus the angles.
 
         q and k are float ``(batch, heads, N, head_dim)`` (``tensor_format="bhsd"``, the default),
         ``(batch, N, heads, head_dim)`` (``"bshd"``), ``(N, batch, heads, head_dim)`` (``"sbhd"``) or
@@ -271,5 +274,5 @@ class MixedRotaryEmbedding(nn.Module):
             cos, sin = cos.transpose(0, 1), sin.transpose(0, 1)
         cos, sin = cos.reshape(view), sin.reshape(view)
         if k is None:
-            return apply_rotary(q, cos, sin, layout=self.layout, backend=self.backend), None
-        return apply_rotary_qk(q, k, cos, sin, layout=self.layout, backend=self.backend)
+            return apply_rotary(q, cos, sin, layout=self.layout, inverse=inverse, backend=self.backend), None
+        return apply_rotary_qk(q, k, cos, sin, layout=self.layout, inverse=inverse, backend=self.backend)

@@ -345,6 +345,7 @@ class RotaryEmbedding(nn.Module):
         tensor_format: str | None = None,
         seq_dim: int | None = None,
         inplace: bool = False,
+        inverse: bool = False,
         seq_len: int | None = None,
         shard_scheme: str | None = None,
     ) -> torch.Tensor:
@@ -355,13 +356,14 @@ class RotaryEmbedding(nn.Module):
         """
         seq_dim = order_of(x, None, positions, tensor_format, seq_dim)
         if is_dtensor(x) or shard_scheme is not None:
-            return self._forward_dtensor(x, None, positions, offset, seq_dim, inplace, seq_len, shard_scheme)[0]
+            return self._forward_dtensor(x, None, positions, offset, seq_dim, inplace, seq_len, shard_scheme,
+                                         inverse)[0]
         if isinstance(x, torch.Tensor) and 2 <= x.dim() <= 4:
             cos, sin, where = self._table_rows(x, positions, offset, seq_dim, seq_len)
-            return rotate(x, cos, sin, **where, seq_dim=seq_dim, layout=self.layout, inplace=inplace,
+            return rotate(x, cos, sin, **where, seq_dim=seq_dim, layout=self.layout, inplace=inplace, inverse=inverse,
                           backend=self.backend)
         cos, sin = self._broadcast_tables(x, positions, offset, seq_dim, seq_len)
-        return apply_rotary(x, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
+        return apply_rotary(x, cos, sin, layout=self.layout, inplace=inplace, inverse=inverse, backend=self.backend)
 
     rotate = deprecated_method("rotate_one", "ropekit.RotaryEmbedding.rotate", "ropekit.RotaryEmbedding.rotate_one")
 
@@ -375,10 +377,11 @@ class RotaryEmbedding(nn.Module):
         tensor_format: str | None = None,
         seq_dim: int | None = None,
         inplace: bool = False,
+        inverse: bool = False,
         seq_len: int | None = None,
         shard_scheme: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rotate queries and keys.
+        """Rotate queries and keys (or, with ``inverse=True``, undo their rotation).
 
         Args:
             q: queries, ``(batch, heads, seq, head_dim)`` by default (see ``tensor_format``); any
@@ -395,6 +398,9 @@ class RotaryEmbedding(nn.Module):
             seq_dim: the sequence axis, the low-level spelling (``-2`` for ``"bhsd"``, ``-3`` for
                 ``"bshd"``, ``0`` for ``"sbhd"`` and ``"thd"``; any rank); both given must agree.
             inplace: rotate ``q`` and ``k`` in place.
+            inverse: rotate by ``-theta`` at the same positions: undoes a forward call
+                (``forward(*forward(q, k), inverse=True)`` gives q and k back up to rounding), e.g.
+                to de-rotate an attention output (DeepSeek-V4). Gradients are the rotation by ``+theta``.
             seq_len: the length of the whole sequence, which dynamic scaling rules (``DynamicNTK``,
                 LongRoPE's short/long switch) decide from; default one past the largest position.
                 A rank holding a shard of a sequence must pass the global length (the same on every
@@ -421,7 +427,7 @@ class RotaryEmbedding(nn.Module):
         """
         if positions is None and seq_len is None and shard_scheme is None:  # a decode step's form: maybe prepared
             key, run, cos, sin = prepared_keys.rotary_embedding(self._tables, self._table_version, q, k, offset,
-                                                                tensor_format, seq_dim, inplace)
+                                                                tensor_format, seq_dim, inplace, inverse)
             if run is not None:
                 return run(q, k, cos, sin, offset)
             preparable = key is not None
@@ -430,9 +436,10 @@ class RotaryEmbedding(nn.Module):
         given = (tensor_format, seq_dim)
         seq_dim = order_of(q, k, positions, tensor_format, seq_dim)
         if is_dtensor(q) or is_dtensor(k) or shard_scheme is not None:
-            return self._forward_dtensor(q, k, positions, offset, seq_dim, inplace, seq_len, shard_scheme)
+            return self._forward_dtensor(q, k, positions, offset, seq_dim, inplace, seq_len, shard_scheme, inverse)
+        one = dict(offset=offset, seq_dim=seq_dim, inplace=inplace, inverse=inverse, seq_len=seq_len)
         if k is None:
-            return self.rotate_one(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len), None
+            return self.rotate_one(q, positions, **one), None
         if k.shape[seq_dim] != q.shape[seq_dim]:
             raise ValueError(
                 f"q and k must have the same length along seq_dim={seq_dim}, got {q.shape[seq_dim]} and "
@@ -441,20 +448,20 @@ class RotaryEmbedding(nn.Module):
         if k.shape[-1] != self.head_dim:
             raise ValueError(f"k has head_dim {k.shape[-1]}, this RotaryEmbedding was built for {self.head_dim}")
         if k.dim() != q.dim() or k.shape[0] != q.shape[0] or k.dtype != q.dtype:  # not one call: one each
-            return (self.rotate_one(q, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len),
-                    self.rotate_one(k, positions, offset=offset, seq_dim=seq_dim, inplace=inplace, seq_len=seq_len))
+            return self.rotate_one(q, positions, **one), self.rotate_one(k, positions, **one)
         if 2 <= q.dim() <= 4:
             cos, sin, where = self._table_rows(q, positions, offset, seq_dim, seq_len)
             out = rotate_qk(q, k, cos, sin, **where, seq_dim=seq_dim, layout=self.layout, inplace=inplace,
-                            backend=self.backend)
+                            inverse=inverse, backend=self.backend)
             if preparable and "offsets" in where:  # by an int offset, from the cached tables
-                self._keep_prepared(q, k, offset, *given, inplace, seq_dim, cos, sin)
+                self._keep_prepared(q, k, offset, *given, inplace, inverse, seq_dim, cos, sin)
             return out
         cos, sin = self._broadcast_tables(q, positions, offset, seq_dim, seq_len)
-        return apply_rotary_qk(q, k, cos, sin, layout=self.layout, inplace=inplace, backend=self.backend)
+        return apply_rotary_qk(q, k, cos, sin, layout=self.layout, inplace=inplace, inverse=inverse,
+                               backend=self.backend)
 
     def _keep_prepared(self, q: torch.Tensor, k: torch.Tensor, offset: int, tensor_format: Any, seq_dim: Any,
-                       inplace: bool, axis: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+                       inplace: bool, inverse: bool, axis: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Keep, under this call's signature, the prepared ``rotate_qk`` call its cold call reached.
 
         Called after a cold call by an int offset passed every check and rotated q and k by
@@ -465,17 +472,18 @@ class RotaryEmbedding(nn.Module):
         cached = self._tables.get(q.device)
         if getattr(self.scaling, "dynamic", False) or cached is None or cached[0] is not cos or cached[1] is not sin:
             return  # frequencies that follow the length, or rows computed for this call alone
-        _, run = prepared_keys.rotate_qk(q, k, cos, sin, offset, None, axis, self.layout, inplace, self.backend)
+        _, run = prepared_keys.rotate_qk(q, k, cos, sin, offset, None, axis, self.layout, inplace, inverse,
+                                         self.backend)
         if run is None:
             return
         key = prepared_keys.rotary_embedding(self._tables, self._table_version, q, k, offset, tensor_format, seq_dim,
-                                             inplace)[0]
+                                             inplace, inverse)[0]
         rows = min(cos.shape[0], self.max_cached_positions)
         prepared.keep(key, run, (q, k, cos, sin), rows, q.shape[axis], q.device)
 
     def _forward_dtensor(
         self, q: Any, k: Any, positions: torch.Tensor | None, offset: Any, seq_dim: int, inplace: bool,
-        seq_len: int | None, shard_scheme: str | None,
+        seq_len: int | None, shard_scheme: str | None, inverse: bool = False,
     ) -> tuple[Any, Any]:
         """DTensor q/k: rotate the local tensors by the positions their placement holds; re-wrap."""
         if not (is_dtensor(q) or is_dtensor(k)):
@@ -495,7 +503,7 @@ class RotaryEmbedding(nn.Module):
         local = local_shards(q, k, seq_dim=seq_dim, scheme="contiguous" if shard_scheme is None else shard_scheme,
                              positions=positions, seq_len=seq_len)
         q_out, k_out = self.forward(local.q, local.k, local.positions, seq_dim=seq_dim, inplace=inplace,
-                                    seq_len=local.seq_len)
+                                    inverse=inverse, seq_len=local.seq_len)
         return (q, k) if inplace else local.wrap(q_out, k_out)
 
     # -- construction from configs ------------------------------------------------------------

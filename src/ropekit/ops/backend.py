@@ -164,43 +164,64 @@ class Backend:
 
         return run
 
-    def prepared(self, tensors: tuple[Tensor, ...], *, layout: str, inplace: bool):
+    def prepared(self, tensors: tuple[Tensor, ...], *, layout: str, inplace: bool, conjugate: bool = False):
         """A call ``run(*tensors)`` for tensors of exactly these shapes, strides, dtypes and devices.
 
         ``tensors`` is ``(x, cos, sin)`` (:meth:`apply_rotary`) or ``(q, k, cos, sin)``
-        (:meth:`apply_rotary_qk`). ``ropekit.functional`` keeps it for a signature that passed every
-        check (a decode loop repeats one); a backend may return a leaner call than the default one here.
+        (:meth:`apply_rotary_qk`); ``conjugate`` rotates by ``-theta`` (the public ``inverse=True``).
+        ``ropekit.functional`` keeps it for a signature that passed every check (a decode loop
+        repeats one); a backend may return a leaner call than the default one here.
         """
         if len(tensors) == 3:
             def run(x, cos, sin):
-                return self.apply_rotary(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)
+                return self.apply_rotary(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
         else:
             def run(q, k, cos, sin):
-                return self.apply_rotary_qk(q, k, cos, sin, layout=layout, conjugate=False, inplace=inplace)
+                return self.apply_rotary_qk(q, k, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
         return run
 
-    def prepared_by_offset(self, tensors: tuple[Tensor, ...], *, seq_dim: int, layout: str, inplace: bool):
+    def prepared_by_offset(self, tensors: tuple[Tensor, ...], *, seq_dim: int, layout: str, inplace: bool,
+                           conjugate: bool = False):
         """A call ``run(*tensors, offset)`` of the by-position forms with one int offset, for tensors like these.
 
         ``tensors`` is ``(x, cos_table, sin_table)`` (:meth:`rotate`) or ``(q, k, cos_table, sin_table)``
-        (:meth:`rotate_qk`); token ``t`` along ``seq_dim`` is rotated by row ``offset + t``.
-        ``ropekit.rotate_qk`` (and :class:`ropekit.RotaryEmbedding`) keep it for a signature that passed
-        every check, the offset checked against the tables on every call; a backend may return a
-        leaner call than this default.
+        (:meth:`rotate_qk`); token ``t`` along ``seq_dim`` is rotated by row ``offset + t`` (by
+        ``-theta`` with ``conjugate``). ``ropekit.rotate_qk`` (and :class:`ropekit.RotaryEmbedding`)
+        keep it for a signature that passed every check, the offset checked against the tables on
+        every call; a backend may return a leaner call than this default.
         """
         if len(tensors) == 3:
             def run(x, cos_table, sin_table, offset):
                 where = Positions(None, None, offset, None, None, seq_dim)
-                return self.rotate(x, cos_table, sin_table, where, layout=layout, conjugate=False, inplace=inplace)
+                return self.rotate(x, cos_table, sin_table, where, layout=layout, conjugate=conjugate,
+                                   inplace=inplace)
         else:
             def run(q, k, cos_table, sin_table, offset):
                 where = Positions(None, None, offset, None, None, seq_dim)
-                return self.rotate_qk(q, k, cos_table, sin_table, where, layout=layout, conjugate=False,
+                return self.rotate_qk(q, k, cos_table, sin_table, where, layout=layout, conjugate=conjugate,
                                       inplace=inplace)
         return run
 
     def __repr__(self) -> str:
         return f"<ropekit backend {self.name!r}>"
+
+
+def prepared_call(backend: Backend, method: str, tensors: tuple[Tensor, ...], *, conjugate: bool, **options):
+    """``backend.<method>(tensors, **options)`` (``prepared`` / ``prepared_by_offset``), by ``-theta`` if ``conjugate``.
+
+    A subclass whose override predates the ``conjugate`` keyword keeps its lean call for rotations
+    by ``+theta``; for ``conjugate=True`` it gets the base class's call, which runs its own forms.
+    """
+    bound = getattr(backend, method)
+    if not conjugate:
+        return bound(tensors, **options)
+    try:
+        takes = "conjugate" in inspect.signature(bound).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if takes:
+        return bound(tensors, conjugate=True, **options)
+    return getattr(Backend, method)(backend, tensors, conjugate=True, **options)
 
 
 def _gather(table: Tensor, rows: Tensor) -> Tensor:

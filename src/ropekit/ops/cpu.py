@@ -216,58 +216,59 @@ class CppBackend(Backend):
 
         return run
 
-    def prepared_by_offset(self, tensors, *, seq_dim, layout, inplace):
+    def prepared_by_offset(self, tensors, *, seq_dim, layout, inplace, conjugate=False):
         """The extension's offset function itself, bound to the options (see :class:`Backend`), for tensors it takes."""
         if not (self.is_available() and all(self.takes(t) and t.numel() for t in tensors)):
-            return super().prepared_by_offset(tensors, seq_dim=seq_dim, layout=layout, inplace=inplace)
+            return super().prepared_by_offset(tensors, seq_dim=seq_dim, layout=layout, inplace=inplace,
+                                              conjugate=conjugate)
         interleaved, axis = layout == "interleaved", seq_dim % tensors[0].dim()
         if len(tensors) == 3:
             if inplace:
                 one_ = self.module.rotate_offset_
 
                 def run(x, cos_table, sin_table, offset):
-                    one_(x, cos_table, sin_table, offset, axis, interleaved, False)
+                    one_(x, cos_table, sin_table, offset, axis, interleaved, conjugate)
                     return x
 
                 return run
             one = self.module.rotate_offset
             return lambda x, cos_table, sin_table, offset: one(x, cos_table, sin_table, offset, axis, interleaved,
-                                                               False)
+                                                               conjugate)
         if inplace:
             qk_ = self.module.rotate_qk_offset_
 
             def run_qk(q, k, cos_table, sin_table, offset):
-                qk_(q, k, cos_table, sin_table, offset, axis, interleaved, False)
+                qk_(q, k, cos_table, sin_table, offset, axis, interleaved, conjugate)
                 return q, k
 
             return run_qk
         qk = self.module.rotate_qk_offset
         return lambda q, k, cos_table, sin_table, offset: qk(q, k, cos_table, sin_table, offset, axis, interleaved,
-                                                             False)
+                                                             conjugate)
 
-    def prepared(self, tensors, *, layout, inplace):
+    def prepared(self, tensors, *, layout, inplace, conjugate=False):
         """The operator itself, bound to the options, for tensors like ``tensors`` (see :class:`Backend`)."""
         if not (self.is_available() and all(self.takes(t) and t.numel() for t in tensors)):
-            return super().prepared(tensors, layout=layout, inplace=inplace)
+            return super().prepared(tensors, layout=layout, inplace=inplace, conjugate=conjugate)
         interleaved = layout == "interleaved"
         if len(tensors) == 3:
             if inplace:
                 one_ = self._one_
 
                 def run(x, cos, sin):
-                    one_(x, cos, sin, interleaved, False)
+                    one_(x, cos, sin, interleaved, conjugate)
                     return x
 
                 return run
             one = self._one
-            return lambda x, cos, sin: one(x, cos, sin, interleaved, False)
+            return lambda x, cos, sin: one(x, cos, sin, interleaved, conjugate)
         if inplace:
             qk_ = self._qk_
 
             def run_qk(q, k, cos, sin):
-                qk_(q, k, cos, sin, interleaved, False)
+                qk_(q, k, cos, sin, interleaved, conjugate)
                 return q, k
 
             return run_qk
         qk = self._qk
-        return lambda q, k, cos, sin: qk(q, k, cos, sin, interleaved, False)
+        return lambda q, k, cos, sin: qk(q, k, cos, sin, interleaved, conjugate)

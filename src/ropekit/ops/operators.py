@@ -24,7 +24,8 @@ calls that backend's form; its fake kernel returns ``empty_like`` outputs; the o
 ones have autograd: the gradient is the same operator rotating by ``-theta`` (nothing of the
 inputs' size is saved, only the tables and position tensors), itself differentiable.
 
-The functions below are what :mod:`ropekit.functional` calls once it has validated everything:
+The functions below are what :mod:`ropekit.functional` calls once it has validated everything
+(``conjugate=True``: the public ``inverse=True``, rotation by ``-theta``):
 under autograd (an input requires grad) or ``torch.compile`` they go through the operators; a
 plain call with nothing to record or trace calls the backend directly, which leaves a decode
 step nothing but the kernel. In place with autograd is the out-of-place operator followed by
@@ -175,29 +176,31 @@ for _op, _pair in ((_apply_rotary, False), (_apply_rotary_qk, True), (_rotate, F
 
 
 # -- what ropekit.functional calls -------------------------------------------------------------
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, layout: str, backend: str, inplace: bool) -> Tensor:
-    """Rotate ``x`` with tables of ``x.dim()`` dims on ``backend`` (a resolved name)."""
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, layout: str, backend: str, inplace: bool,
+                 conjugate: bool = False) -> Tensor:
+    """Rotate ``x`` with tables of ``x.dim()`` dims on ``backend`` (a resolved name); by ``-theta`` if ``conjugate``."""
     if direct(x, cos, sin):
-        return dispatch.get(backend).apply_rotary(x, cos, sin, layout=layout, conjugate=False, inplace=inplace)
+        return dispatch.get(backend).apply_rotary(x, cos, sin, layout=layout, conjugate=conjugate, inplace=inplace)
     if not inplace:
-        return torch.ops.ropekit.apply_rotary(x, cos, sin, layout, False, backend)
+        return torch.ops.ropekit.apply_rotary(x, cos, sin, layout, conjugate, backend)
     if _needs_grad(x):
-        return x.copy_(torch.ops.ropekit.apply_rotary(x, cos, sin, layout, False, backend))
-    torch.ops.ropekit.apply_rotary_(x, cos, sin, layout, False, backend)
+        return x.copy_(torch.ops.ropekit.apply_rotary(x, cos, sin, layout, conjugate, backend))
+    torch.ops.ropekit.apply_rotary_(x, cos, sin, layout, conjugate, backend)
     return x
 
 
 def apply_rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, layout: str, backend: str,
-                    inplace: bool) -> tuple[Tensor, Tensor]:
+                    inplace: bool, conjugate: bool = False) -> tuple[Tensor, Tensor]:
     """Rotate q and k (one rank) with tables of that rank fitting both."""
     if direct(q, k, cos, sin):
-        return dispatch.get(backend).apply_rotary_qk(q, k, cos, sin, layout=layout, conjugate=False, inplace=inplace)
+        return dispatch.get(backend).apply_rotary_qk(q, k, cos, sin, layout=layout, conjugate=conjugate,
+                                                     inplace=inplace)
     if not inplace:
-        return torch.ops.ropekit.apply_rotary_qk(q, k, cos, sin, layout, False, backend)
+        return torch.ops.ropekit.apply_rotary_qk(q, k, cos, sin, layout, conjugate, backend)
     if _needs_grad(q, k):
-        q_out, k_out = torch.ops.ropekit.apply_rotary_qk(q, k, cos, sin, layout, False, backend)
+        q_out, k_out = torch.ops.ropekit.apply_rotary_qk(q, k, cos, sin, layout, conjugate, backend)
         return q.copy_(q_out), k.copy_(k_out)
-    torch.ops.ropekit.apply_rotary_qk_(q, k, cos, sin, layout, False, backend)
+    torch.ops.ropekit.apply_rotary_qk_(q, k, cos, sin, layout, conjugate, backend)
     return q, k
 
 
@@ -206,13 +209,13 @@ def _position_args(where: Positions) -> tuple:
 
 
 def rotate(x: Tensor, cos_table: Tensor, sin_table: Tensor, where: Positions, *, layout: str, backend: str,
-           inplace: bool) -> Tensor:
-    """Rotate ``x`` by the rows of the full tables that ``where`` names."""
+           inplace: bool, conjugate: bool = False) -> Tensor:
+    """Rotate ``x`` by the rows of the full tables that ``where`` names (by ``-theta`` if ``conjugate``)."""
     if direct(x, cos_table, sin_table):
         where = check_values(x, cos_table.shape[0], where)
-        return dispatch.get(backend).rotate(x, cos_table, sin_table, where, layout=layout, conjugate=False,
+        return dispatch.get(backend).rotate(x, cos_table, sin_table, where, layout=layout, conjugate=conjugate,
                                             inplace=inplace)
-    args = (cos_table, sin_table, *_position_args(where), layout, False, backend)
+    args = (cos_table, sin_table, *_position_args(where), layout, conjugate, backend)
     if not inplace:
         return torch.ops.ropekit.rotate(x, *args)
     if _needs_grad(x):
@@ -222,13 +225,13 @@ def rotate(x: Tensor, cos_table: Tensor, sin_table: Tensor, where: Positions, *,
 
 
 def rotate_qk(q: Tensor, k: Tensor, cos_table: Tensor, sin_table: Tensor, where: Positions, *, layout: str,
-              backend: str, inplace: bool) -> tuple[Tensor, Tensor]:
+              backend: str, inplace: bool, conjugate: bool = False) -> tuple[Tensor, Tensor]:
     """:func:`rotate` for q and k."""
     if direct(q, k, cos_table, sin_table):
         where = check_values(q, cos_table.shape[0], where)
-        return dispatch.get(backend).rotate_qk(q, k, cos_table, sin_table, where, layout=layout, conjugate=False,
+        return dispatch.get(backend).rotate_qk(q, k, cos_table, sin_table, where, layout=layout, conjugate=conjugate,
                                                inplace=inplace)
-    args = (cos_table, sin_table, *_position_args(where), layout, False, backend)
+    args = (cos_table, sin_table, *_position_args(where), layout, conjugate, backend)
     if not inplace:
         return torch.ops.ropekit.rotate_qk(q, k, *args)
     if _needs_grad(q, k):

@@ -34,14 +34,15 @@ _WEIGHTS = frozenset((Tensor, Parameter, type(None)))  # what an optional weight
 _COLD = (None, None)
 
 
-def apply_rotary(x, cos, sin, layout, inplace, backend) -> tuple:
+def apply_rotary(x, cos, sin, layout, inplace, inverse, backend) -> tuple:
     """``(key, call)`` of ``apply_rotary``; the call takes ``(x, cos, sin)``."""
     if (_is_compiling() or type(x) is not Tensor or type(cos) is not Tensor or type(sin) is not Tensor
             or x is cos or x is sin or cos is sin
             or (_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad))):
         return _COLD
     try:
-        key = ("apply_rotary", layout, type(layout), inplace, type(inplace), backend, type(backend),
+        key = ("apply_rotary", layout, type(layout), inplace, type(inplace), inverse, type(inverse), backend,
+               type(backend),
                x.shape, x.is_contiguous() or x.stride(), x.dtype, x.is_cpu or x.device,
                cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
                sin.shape, sin.is_contiguous() or sin.stride(), sin.dtype, sin.is_cpu or sin.device)
@@ -58,14 +59,15 @@ def apply_rotary(x, cos, sin, layout, inplace, backend) -> tuple:
     return key, call
 
 
-def apply_rotary_qk(q, k, cos, sin, layout, inplace, backend) -> tuple:
+def apply_rotary_qk(q, k, cos, sin, layout, inplace, inverse, backend) -> tuple:
     """``(key, call)`` of ``apply_rotary_qk``; the call takes ``(q, k, cos, sin)``."""
     if (_is_compiling() or type(q) is not Tensor or type(k) is not Tensor or type(cos) is not Tensor
             or type(sin) is not Tensor or q is k or q is cos or q is sin or k is cos or k is sin or cos is sin
             or (_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad))):
         return _COLD
     try:
-        key = ("apply_rotary_qk", layout, type(layout), inplace, type(inplace), backend, type(backend),
+        key = ("apply_rotary_qk", layout, type(layout), inplace, type(inplace), inverse, type(inverse), backend,
+               type(backend),
                q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
                k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device,
                cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
@@ -231,7 +233,8 @@ def rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight,
     return key, call
 
 
-def rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layout, inplace, backend) -> tuple:
+def rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layout, inplace, inverse,
+              backend) -> tuple:
     """``(key, call)`` of ``rotate_qk`` by one int offset; the call takes ``(q, k, cos_table, sin_table, offsets)``.
 
     Only a call without ``positions``, ``cu_seqlens``, ``max_seqlen`` and ``head_size`` (the caller
@@ -246,8 +249,8 @@ def rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layou
                                      or sin_table.requires_grad))):
         return _COLD
     try:
-        key = ("rotate_qk", layout, type(layout), inplace, type(inplace), backend, type(backend), tensor_format,
-               type(tensor_format), seq_dim, type(seq_dim),
+        key = ("rotate_qk", layout, type(layout), inplace, type(inplace), inverse, type(inverse), backend,
+               type(backend), tensor_format, type(tensor_format), seq_dim, type(seq_dim),
                q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
                k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device,
                cos_table.shape, cos_table.is_contiguous() or cos_table.stride(), cos_table.dtype,
@@ -274,7 +277,7 @@ def rotate_qk(q, k, cos_table, sin_table, offsets, tensor_format, seq_dim, layou
 _COLD_MODULE = (None, None, None, None)
 
 
-def rotary_embedding(tables, version, q, k, offset, tensor_format, seq_dim, inplace) -> tuple:
+def rotary_embedding(tables, version, q, k, offset, tensor_format, seq_dim, inplace, inverse) -> tuple:
     """``(key, call, cos_table, sin_table)`` of ``RotaryEmbedding.forward(q, k, offset=offset)`` (int offset).
 
     The module passes its cached ``tables`` (device -> (cos, sin)) and its ``version``: a number
@@ -290,8 +293,8 @@ def rotary_embedding(tables, version, q, k, offset, tensor_format, seq_dim, inpl
             or (_grad_enabled() and (q.requires_grad or k.requires_grad))):
         return _COLD_MODULE
     try:
-        key = ("RotaryEmbedding", version, inplace, type(inplace), tensor_format, type(tensor_format), seq_dim,
-               type(seq_dim),
+        key = ("RotaryEmbedding", version, inplace, type(inplace), inverse, type(inverse), tensor_format,
+               type(tensor_format), seq_dim, type(seq_dim),
                q.shape, q.is_contiguous() or q.stride(), q.dtype, q.is_cpu or q.device,
                k.shape, k.is_contiguous() or k.stride(), k.dtype, k.is_cpu or k.device)
         entry = calls.get(key)
@@ -311,3 +314,58 @@ def rotary_embedding(tables, version, q, k, offset, tensor_format, seq_dim, inpl
                 and (pk + ek <= ps or ps + es <= pk)) and not apart((q, k), (cos, sin)):
             return _COLD_MODULE
     return key, call, cos, sin
+
+
+
+def rotate_into_mla_cache(kv_c, k_pe, cos, sin, kv_cache, pe_cache, slots, layout, output_layout, block_size,
+                          backend) -> tuple:
+    """``(key, call)`` of ``ropekit.mla.rotate_into_mla_cache``; the call takes its seven tensor arguments.
+
+    An int slot is keyed by its sign, a slots tensor like every other tensor. The call checks the
+    slots' values on every call (it returns False, writing nothing, for one outside the caches).
+    """
+    slots_int = type(slots) is int
+    if (_is_compiling() or type(kv_c) is not Tensor or type(k_pe) is not Tensor or type(cos) is not Tensor
+            or type(sin) is not Tensor or type(kv_cache) is not Tensor or type(pe_cache) is not Tensor
+            or not (slots_int or type(slots) is Tensor)
+            or kv_cache is pe_cache or kv_c is k_pe or kv_c is cos or kv_c is sin or k_pe is cos or k_pe is sin
+            or cos is sin or kv_cache is kv_c or kv_cache is k_pe or kv_cache is cos or kv_cache is sin
+            or pe_cache is kv_c or pe_cache is k_pe or pe_cache is cos or pe_cache is sin
+            or (not slots_int and (slots is kv_c or slots is k_pe or slots is cos or slots is sin
+                                   or slots is kv_cache or slots is pe_cache))
+            or (_grad_enabled() and (kv_c.requires_grad or k_pe.requires_grad or cos.requires_grad
+                                     or sin.requires_grad or kv_cache.requires_grad or pe_cache.requires_grad
+                                     or (not slots_int and slots.requires_grad)))):
+        return _COLD
+    try:
+        key = ("rotate_into_mla_cache", layout, type(layout), output_layout, type(output_layout), block_size,
+               type(block_size), backend, type(backend),
+               kv_cache.shape, kv_cache.is_contiguous() or kv_cache.stride(), kv_cache.dtype,
+               kv_cache.is_cpu or kv_cache.device,
+               pe_cache.shape, pe_cache.is_contiguous() or pe_cache.stride(), pe_cache.dtype,
+               pe_cache.is_cpu or pe_cache.device,
+               kv_c.shape, kv_c.is_contiguous() or kv_c.stride(), kv_c.dtype, kv_c.is_cpu or kv_c.device,
+               k_pe.shape, k_pe.is_contiguous() or k_pe.stride(), k_pe.dtype, k_pe.is_cpu or k_pe.device,
+               cos.shape, cos.is_contiguous() or cos.stride(), cos.dtype, cos.is_cpu or cos.device,
+               sin.shape, sin.is_contiguous() or sin.stride(), sin.dtype, sin.is_cpu or sin.device,
+               slots_int, slots >= 0 if slots_int else slots.shape,
+               None if slots_int else slots.is_contiguous() or slots.stride(),
+               None if slots_int else slots.dtype, None if slots_int else slots.is_cpu or slots.device)
+        entry = calls.get(key)
+    except (RuntimeError, TypeError):
+        return _COLD
+    if entry is None:
+        return key, None
+    call, ekv, epe, ec, ek, eco, esi, esl = entry
+    pkv, ppe, pc, pk, pco, psi = (kv_cache.data_ptr(), pe_cache.data_ptr(), kv_c.data_ptr(), k_pe.data_ptr(),
+                                  cos.data_ptr(), sin.data_ptr())
+    psl = 0 if slots_int else slots.data_ptr()
+    if not ((pkv + ekv <= ppe or ppe + epe <= pkv)
+            and (pkv + ekv <= pc or pc + ec <= pkv) and (ppe + epe <= pc or pc + ec <= ppe)
+            and (pkv + ekv <= pk or pk + ek <= pkv) and (ppe + epe <= pk or pk + ek <= ppe)
+            and (pkv + ekv <= pco or pco + eco <= pkv) and (ppe + epe <= pco or pco + eco <= ppe)
+            and (pkv + ekv <= psi or psi + esi <= pkv) and (ppe + epe <= psi or psi + esi <= ppe)
+            and (slots_int or ((pkv + ekv <= psl or psl + esl <= pkv) and (ppe + epe <= psl or psl + esl <= ppe)))) \
+            and not apart((kv_cache, pe_cache), (kv_c, k_pe, cos, sin, slots)):
+        return _COLD
+    return key, call

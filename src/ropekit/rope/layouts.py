@@ -72,12 +72,7 @@ def permute_qk_weight(
         wq_hf = permute_qk_weight(wq_meta, n_heads, src="interleaved", dst="half")
         wk_hf = permute_qk_weight(wk_meta, n_kv_heads, src="interleaved", dst="half")
     """
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
-    if w.dim() not in (1, 2):
-        raise ValueError(f"w must be a weight (out, in) or a bias (out,), got shape {tuple(w.shape)}")
-    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads <= 0:
-        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
+    check_projection(w, n_heads)
     if w.shape[0] % n_heads:
         raise ValueError(f"w has {w.shape[0]} rows, not divisible by n_heads={n_heads}")
     head_dim = w.shape[0] // n_heads
@@ -92,3 +87,18 @@ def convert_layout(x: torch.Tensor, *, src: str, dst: str, rotary_dim: int | Non
     """Reorder the last dimension of activations ``x`` (``(..., head_dim)``) from ``src`` to ``dst`` layout."""
     perm = channel_permutation(x.shape[-1], src, dst, rotary_dim=rotary_dim).to(x.device)
     return x.index_select(-1, perm)
+
+
+def check_projection(w: object, n_heads: object) -> None:
+    """Check a q/k projection's weight ``(out, in)`` or bias ``(out,)`` and its head count.
+
+    Raises:
+        TypeError: ``w`` not a tensor.
+        ValueError: ``w`` not 1-D or 2-D, ``n_heads`` not a positive int.
+    """
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
+    if w.dim() not in (1, 2):
+        raise ValueError(f"w must be a weight (out, in) or a bias (out,), got shape {tuple(w.shape)}")
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads <= 0:
+        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")

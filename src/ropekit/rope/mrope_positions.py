@@ -1,4 +1,4 @@
-"""The (t, h, w) positions of Qwen2-VL / Qwen2.5-VL / Qwen3-VL sequences mixing text, images and videos.
+"""The (t, h, w) positions of Qwen-VL, GLM-4V and ERNIE-4.5-VL sequences mixing text, images and videos.
 
 The rule (transformers 5.23's ``get_rope_index``, which :func:`mrope_position_ids` equals): walk the
 valid tokens of a row, grouped into runs of one modality, with a running position ``cur = 0``:
@@ -15,7 +15,10 @@ valid tokens of a row, grouped into runs of one modality, with a running positio
 
 Per family: Qwen2-VL advances time by 1 per frame; Qwen2.5-VL by ``tokens_per_second *
 second_per_grid_ts[i]`` (float32, truncated); Qwen3-VL splits every video into ``t`` one-frame
-grids, so each frame is its own run (real prompts put timestamps between frames).
+grids, so each frame is its own run (real prompts put timestamps between frames), and GLM-4.1V /
+GLM-4.5V do exactly the same (their ``get_rope_index`` is Qwen3-VL's); ERNIE-4.5-VL merges
+``temporal_merge_size`` frames into one temporal token (a video grid ``(t, h, w)`` is the block
+``(t // temporal_merge_size, h, w)``, time advancing by 1).
 """
 
 from __future__ import annotations
@@ -28,17 +31,21 @@ import torch
 from .grids import axis_grids, check_merge_size, vision_block_positions
 
 #: Model types whose position rule :func:`mrope_position_ids` implements (and aliases of them).
-FAMILIES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
+FAMILIES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
+            "glm4v": "qwen3_vl", "glm4v_moe": "qwen3_vl", "ernie4_5_vl_moe": "ernie4_5_vl_moe"}
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
 
-def _token_types(mm_token_type_ids: Any, attention_mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def check_token_types(mm_token_type_ids: Any, attention_mask: Any, *,
+                      names: tuple[str, ...] = ("text", "image", "video")) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(types, mask)`` on the CPU (mask bool), checked: integer ``(batch, seq)`` types in ``[0, len(names))``."""
     types = mm_token_type_ids
+    spelled = ", ".join(f"{i} {name}" for i, name in enumerate(names))
     if not isinstance(types, torch.Tensor) or types.dim() != 2 or types.dtype.is_floating_point or types.is_complex():
-        raise ValueError(f"mm_token_type_ids must be an integer (batch, seq) tensor (0 text, 1 image, 2 video), got "
+        raise ValueError(f"mm_token_type_ids must be an integer (batch, seq) tensor ({spelled}), got "
                          f"{getattr(types, 'dtype', type(types).__name__)} {tuple(getattr(types, 'shape', ()))}")
-    if types.numel() and not bool(((types >= 0) & (types <= 2)).all()):
-        raise ValueError(f"mm_token_type_ids must hold 0 (text), 1 (image) or 2 (video), got {types.unique().tolist()}")
+    if types.numel() and not bool(((types >= 0) & (types < len(names))).all()):
+        raise ValueError(f"mm_token_type_ids must hold {spelled}, got {types.unique().tolist()}")
     if attention_mask is None:
         return types.cpu(), torch.ones(types.shape, dtype=torch.bool)
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != types.shape:
@@ -50,10 +57,20 @@ def _token_types(mm_token_type_ids: Any, attention_mask: Any) -> tuple[torch.Ten
     return types.cpu(), mask.bool()
 
 
-def _video_queue(family: str, video_grid_thw: Any, tokens_per_second: Any, second_per_grid_ts: Any) -> list:
+def _video_queue(family: str, video_grid_thw: Any, tokens_per_second: Any, second_per_grid_ts: Any,
+                 temporal_merge_size: Any) -> list:
     videos = axis_grids(video_grid_thw, "video_grid_thw") if video_grid_thw is not None else []
     if family == "qwen3_vl":
         return [((1, h, w), 1) for (t, h, w) in videos for _ in range(t)]
+    if family == "ernie4_5_vl_moe" and videos:
+        if isinstance(temporal_merge_size, bool) or not isinstance(temporal_merge_size, int) or temporal_merge_size < 1:
+            raise ValueError("ernie4_5_vl_moe videos need temporal_merge_size, a positive int (the vision_config's, "
+                             f"2 in the released models), got {temporal_merge_size!r}")
+        for i, (t, _, _) in enumerate(videos):
+            if t < temporal_merge_size:
+                raise ValueError(f"video_grid_thw[{i}] has t={t} frames, fewer than temporal_merge_size="
+                                 f"{temporal_merge_size} (no temporal token)")
+        return [((t // temporal_merge_size, h, w), 1) for (t, h, w) in videos]
     if family == "qwen2_vl" or not videos:
         return [(grid, 1) for grid in videos]
     if tokens_per_second is None:
@@ -74,6 +91,7 @@ def mrope_position_ids(
     attention_mask: torch.Tensor | None = None,
     tokens_per_second: float | None = None,
     second_per_grid_ts: Any = None,
+    temporal_merge_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions ``(batch, seq, 3)`` (t, h, w) and decoding deltas ``(batch, 1)`` of a multimodal batch.
 
@@ -82,10 +100,13 @@ def mrope_position_ids(
         image_grid_thw, video_grid_thw: ``(n, 3)`` patches per image / video, in order of appearance
             across the batch (the processor's outputs).
         spatial_merge_size: the vision config's ``spatial_merge_size`` (2 in the released models).
-        family: ``"qwen2_vl"``, ``"qwen2_5_vl"`` or ``"qwen3_vl"`` (``"qwen3_vl_moe"``).
+        family: ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"`` (``"qwen3_vl_moe"``), ``"glm4v"``
+            (``"glm4v_moe"``) or ``"ernie4_5_vl_moe"``.
         attention_mask: ``(batch, seq)`` 1 for tokens, 0 for padding (left or right).
         tokens_per_second: Qwen2.5-VL's ``vision_config.tokens_per_second``.
         second_per_grid_ts: Qwen2.5-VL, seconds per temporal grid of each video (default 1).
+        temporal_merge_size: ERNIE-4.5-VL's ``vision_config.temporal_merge_size`` (frames per temporal
+            token, 2 in the released models); required for its videos.
 
     Returns:
         ``(positions, deltas)``: int64 ``(batch, seq, 3)`` (transformers' ``(3, batch, seq)`` is
@@ -98,11 +119,11 @@ def mrope_position_ids(
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
     family, m = FAMILIES[family], check_merge_size(spatial_merge_size)
-    types, mask = _token_types(mm_token_type_ids, attention_mask)
+    types, mask = check_token_types(mm_token_type_ids, attention_mask)
     image_grids = axis_grids(image_grid_thw, "image_grid_thw") if image_grid_thw is not None else []
     images = [(grid, 1) for grid in image_grids]
-    queues = {IMAGE: iter(images), VIDEO: iter(_video_queue(family, video_grid_thw, tokens_per_second,
-                                                                second_per_grid_ts))}
+    videos = _video_queue(family, video_grid_thw, tokens_per_second, second_per_grid_ts, temporal_merge_size)
+    queues = {IMAGE: iter(images), VIDEO: iter(videos)}
     used = {IMAGE: 0, VIDEO: 0}
     positions = torch.zeros(*types.shape, 3, dtype=torch.int64)
     deltas = []

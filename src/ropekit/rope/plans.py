@@ -2,9 +2,9 @@
 
 Each function returns an :class:`~ropekit.rope.axes.AxisPlan`; its defaults are the published
 model's. The pairing (``layout``) is the model's business, not the plan's: Qwen's language and
-vision towers and DINOv3 pair channels ``(i, i + d/2)`` (``"half"``); Flux, HunyuanVideo, Wan,
-CogVideoX, EVA-02 / timm and rope-vit pair ``(2i, 2i+1)`` (``"interleaved"``). :data:`LAYOUTS`
-records which.
+vision towers (Qwen2.5-Omni's thinker too) and DINOv3 pair channels ``(i, i + d/2)`` (``"half"``);
+Flux, HunyuanVideo, Wan, CogVideoX, EVA-02 / timm, rope-vit, GLM-4.1V and ERNIE-4.5-VL pair
+``(2i, 2i+1)`` (``"interleaved"``). :data:`LAYOUTS` records which.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..validation import check_even_positive
-from .axes import AxisPlan, axial, mrope
+from .axes import AxisPlan, axial, mrope, single_axis
 from .frequencies import base_inv_freq
 
 
@@ -26,6 +26,48 @@ def qwen2_vl(head_dim: int = 128, base: float = 1e6, section: Sequence[int] = (1
 def qwen3_vl(head_dim: int = 128, base: float = 5e6, section: Sequence[int] = (24, 20, 20)) -> AxisPlan:
     """Qwen3-VL language model: the same ladder, t/h/w assigned pair by pair (interleaved M-RoPE)."""
     return mrope(base_inv_freq(head_dim, base), section, interleaved=True)
+
+
+def hw_alternating_mrope(inv_freq: Any, section: Sequence[int], *, attention_scale: float = 1.0) -> AxisPlan:
+    """ERNIE-4.5-VL's M-RoPE over one ladder: h and w alternate over the first pairs, t takes the last.
+
+    With ``section = (s_h, s_w, s_t)`` (ERNIE's ``mrope_section``, in that order; ``s_h == s_w``):
+    pair ``j < s_h + s_w`` reads h when ``j`` is even and w when it is odd, the last ``s_t`` pairs
+    read t; every pair keeps its frequency ``inv_freq[j]`` (transformers'
+    ``Ernie4_5_VLMoeTextRotaryEmbedding`` permutes the ladder and un-permutes it when it recomposes
+    the tables: the two steps cancel to this map). Axes ``("t", "h", "w")``, as the positions come.
+
+    Args:
+        inv_freq: the 1-D ladder, float64 ``(pairs,)``.
+        section: ``(s_h, s_w, s_t)``, adding up to ``pairs``.
+        attention_scale: factor on cos and sin.
+    """
+    freq = single_axis(inv_freq).inv_freq  # checked: a non-empty ladder of finite numbers >= 0
+    valid = (not isinstance(section, (str, bytes)) and isinstance(section, Sequence) and len(section) == 3
+             and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in section))
+    if not valid or section[0] != section[1] or sum(section) != len(freq):
+        raise ValueError(f"ERNIE-4.5-VL's mrope_section must be three ints (h, w, t) >= 0 with h == w, adding up "
+                         f"to the {len(freq)} pairs (rotary_dim // 2), got {section!r}")
+    axis = [1 + j % 2 for j in range(2 * section[0])] + [0] * section[2]
+    return AxisPlan(freq, axis, ("t", "h", "w"), attention_scale=attention_scale)
+
+
+def glm4v(head_dim: int = 128, base: float = 10000.0, section: Sequence[int] = (8, 12, 12),
+          partial_rotary_factor: float = 0.5) -> AxisPlan:
+    """GLM-4.1V / GLM-4.5V language model: contiguous M-RoPE sections over the rotated channels' ladder.
+
+    Only ``int(head_dim * partial_rotary_factor)`` channels rotate (the ladder is theirs:
+    ``base^(-2k/rotary_dim)``), the rest pass through. GLM-4.1V (``glm4v``) pairs them ``(2i, 2i+1)``,
+    GLM-4.5V (``glm4v_moe``) ``(i, i + rotary_dim/2)``: the same plan, another ``layout``.
+    """
+    check_even_positive(head_dim, "head_dim")
+    return mrope(base_inv_freq(check_even_positive(int(head_dim * partial_rotary_factor), "rotary_dim"), base),
+                 section)
+
+
+def ernie4_5_vl(head_dim: int = 128, base: float = 500000.0, section: Sequence[int] = (22, 22, 20)) -> AxisPlan:
+    """ERNIE-4.5-VL language model: :func:`hw_alternating_mrope` over ``base^(-2k/head_dim)``."""
+    return hw_alternating_mrope(base_inv_freq(head_dim, base), section)
 
 
 def _two_halves(head_dim: int, base: float, names: tuple[str, str]) -> AxisPlan:
@@ -104,6 +146,9 @@ NAMED_PLANS: dict[str, Callable[..., AxisPlan]] = {
     "qwen2-vl": qwen2_vl,
     "qwen2.5-vl": qwen2_vl,
     "qwen3-vl": qwen3_vl,
+    "qwen2.5-omni": qwen2_vl,
+    "glm4v": glm4v,
+    "ernie4.5-vl": ernie4_5_vl,
     "qwen-vl-vision": qwen_vl_vision,
     "eva02": eva02,
     "rope-vit-axial": rope_vit_axial,

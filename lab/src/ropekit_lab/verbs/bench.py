@@ -22,9 +22,13 @@ def add_parser(verbs: Any) -> None:
         "bench", help="speed of every backend against a plain copy",
         description="Time every rotation backend (C++ on the CPU, Triton on CUDA, eager torch) and each installed "
         "peer (transformers' eager recipe, torch.compile of it, Liger on a GPU) on q/k shapes of real models, "
-        "forward and forward + backward, against a plain copy of the same bytes; print each row's median time, "
-        "its spread, GB/s and the ratio to the copy.")
-    bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+        "forward and forward + backward, against a plain copy of the same bytes; on a decode step also the fused "
+        "forms (q/k RMSNorm + rotation, keys rotated into a KV cache) beside transformers' eager and compiled "
+        "recipes for them. Print each row's time, its uncertainty, GB/s and the ratio to the copy. torch.compile "
+        "peers run in the full sweep only (compiled once per case, warmed up, then timed like the other rows); "
+        "--quick leaves them out, since compiling takes tens of seconds a case.")
+    bench.add_argument("--quick", action="store_true",
+                       help="small shapes, few repeats, no torch.compile peers (nothing is compiled)")
     bench.add_argument("--device", choices=("cpu", "cuda"), help="default: CUDA when available")
     bench.add_argument("--threads", type=positive(int, MAX_THREADS), metavar="N",
                        help="CPU threads (default: torch's default)")

@@ -66,7 +66,7 @@ inline __m256 load8(const bf16_t *p) {
 inline __m256 load8(const f16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))); }
 inline void store8(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(bf16_t *p, __m256 v) {
-    __m256i t = _mm256_srli_epi32(bf16_round_hi(v), 16);
+    __m256i t = _mm256_srli_epi32(bf16_round_hi(bf16_nan_fix(v)), 16);
     _mm_storeu_si128(reinterpret_cast<__m128i *>(p),
                      _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
 }

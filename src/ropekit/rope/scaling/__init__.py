@@ -12,6 +12,7 @@ exactly where Hugging Face applies ``attention_scaling``.
 - :class:`Linear` (``linear``): position interpolation, Chen et al. 2023, arXiv:2306.15595.
 - :class:`NTK` (``ntk``, ropekit only): NTK-aware base change, bloc97 2023.
 - :class:`DynamicNTK` (``dynamic``): NTK base grown with the sequence, emozilla 2023.
+- :class:`NTKAlpha` (``ntk_alpha``): HunYuan's fixed NTK alpha (a ``dynamic`` dict with ``alpha``).
 - :class:`YaRN` (``yarn``): Peng et al. 2023, arXiv:2309.00071.
 - :class:`Llama3` (``llama3``): Meta 2024, arXiv:2407.21783.
 - :class:`LongRoPE` (``longrope``, formerly ``su``): Ding et al. 2024, arXiv:2402.13753.
@@ -34,6 +35,7 @@ import torch
 from .basic import NTK, DynamicNTK, Linear, Proportional, ntk_base
 from .llama3 import Llama3
 from .longrope import LongRoPE
+from .ntk_alpha import NTKAlpha
 from .registry import RULES, RuleKeys, known_rope_types, register_rule, rope_type_of_rule, rule_class
 from .yarn import YaRN, yarn_mscale
 
@@ -53,6 +55,7 @@ class ScalingRule(Protocol):
 __all__ = [
     "NTK",
     "DynamicNTK",
+    "NTKAlpha",
     "Linear",
     "Llama3",
     "LongRoPE",
