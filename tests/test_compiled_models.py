@@ -6,7 +6,10 @@ rotation (float32 arithmetic on ropekit's float32 tables, one rounding), transfo
 write. The compiled model must decode the tokens of the eager patched model with logits within
 float32 rounding, with DynamicCache and with ``static_cache``, in one graph per shape (no graph
 break; ``fullgraph=True`` raises on one) and without compiling again at every step; the traced
-rotation is checked against the float64 reference, eager and compiled by inductor.
+rotation is checked against the float64 reference, eager and compiled by inductor. The families
+with more than ``apply_rotary_pos_emb`` keep, traced, what their eager patch does: SmolLM3's and
+Llama 4's NoPE layers stay unrotated, DeepSeek-V3's interleaved rope slices are rotated and put in
+transformers' half order (its cached keys show the order, which the logits cannot).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from transformers.cache_utils import DynamicCache  # noqa: E402
 
 import ropekit  # noqa: E402
 import ropekit.integrations.transformers_compile as traced  # noqa: E402
+import test_integration_nope as nope  # noqa: E402
+import test_mla_transformers as mla  # noqa: E402
 from model_compare import assert_logits_match  # noqa: E402
 from ropekit.integrations.transformers import patch, static_cache, unpatch  # noqa: E402
 
@@ -137,6 +142,52 @@ def test_the_compiled_model_is_the_unpatched_model_within_float32_rounding():
         finally:
             unpatch(model)
     assert_logits_match(got, want)
+
+
+def traced_logits(model, ids):
+    """Logits and the values each cache layer holds: eager unpatched, then compiled patched (one graph).
+
+    Returns ``(want, got, graphs)``: the unpatched ``(logits, cached values)``, the compiled
+    patched ones, and the :class:`Graphs` the compiled forward was traced into.
+    """
+    def run(forward):
+        out = forward(ids, use_cache=True)
+        return out.logits, [layer.values.clone() for layer in out.past_key_values.layers]
+
+    with torch.no_grad():
+        want = run(model)
+        patch(model)
+        try:
+            graphs = Graphs()
+            got = run(torch.compile(model, backend=graphs, fullgraph=True))
+        finally:
+            unpatch(model)
+    return want, got, graphs
+
+
+@pytest.mark.parametrize("name", ["smollm3 listed", "llama4 listed"])
+def test_a_compiled_nope_schedule_rotates_the_rope_layers_only(name, monkeypatch):
+    """Layers 0 and 3 of ``no_rope_layers=[0, 1, 1, 0]`` are NoPE: two traced rotations, the unpatched logits."""
+    calls = []
+    real = traced.rotated_qk
+    monkeypatch.setattr(traced, "rotated_qk", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = nope.tiny(name)
+    (want, _), (got, _), graphs = traced_logits(model, nope.IDS)
+    assert len(calls) == nope.rope_layer_count(model) == 2
+    assert_logits_match(got, want)
+    assert len(graphs.graphs) == 1 and graphs.ropekit_nodes() == []
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "half"])
+@pytest.mark.parametrize("case", ["plain", "yarn-v3"])
+def test_compiled_deepseek_v3_caches_the_keys_of_the_unpatched_model(interleave, case):
+    """MLA traced: logits within 1e-5 and the cached rotated keys in transformers' order (the pairing shows there)."""
+    model = mla.tiny(mla.ROPE_CASES[case], rope_interleave=interleave)
+    (want, want_keys), (got, keys), graphs = traced_logits(model, mla.IDS)
+    assert_logits_match(got, want)
+    for got_keys, cached in zip(keys, want_keys, strict=True):
+        torch.testing.assert_close(got_keys, cached, rtol=0, atol=1e-5)
+    assert len(graphs.graphs) == 1 and graphs.ropekit_nodes() == []
 
 
 @pytest.mark.parametrize(("layout", "dtype", "rotary_dim"), [("half", torch.float32, 16),

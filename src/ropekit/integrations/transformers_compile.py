@@ -14,6 +14,12 @@ fuse with the ops around them:
   the float64 reference);
 * the cache write is transformers' own ``StaticLayer.update`` (an ``index_copy_``).
 
+The same holds for the families with their own rotation function: Llama 4's complex
+``apply_rotary_emb`` (:func:`rotated_qk` in its ``(batch, seq, heads, head_dim)`` order) and
+DeepSeek-V3's ``apply_rotary_pos_emb_interleave`` (:func:`rotated_mla`: the interleaved pairs
+rotated and written in transformers' half order, as :func:`ropekit.mla.apply_rotary_mla` does in
+eager mode). A NoPE layer of a schedule (SmolLM3, Llama 4) calls no rotation, traced or not.
+
 The tables stay ropekit's (float64 angles rounded to float32, computed once per forward). With
 ``EXPRESSIONS = False`` a traced model calls ropekit's operators instead (the benchmark's
 ``--traced-operators`` compares the two).
@@ -47,3 +53,23 @@ def rotated_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rotated` of q and of k (the traced form of ``apply_rotary_pos_emb``)."""
     return rotated(q, cos, sin, layout), rotated(k, cos, sin, layout)
+
+
+def rotated_mla(q: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The traced form of DeepSeek-V3's ``apply_rotary_pos_emb_interleave``: outputs in the half pairing.
+
+    Args:
+        q: ``(batch, heads, seq, rotary_dim)``, the query heads' rope slice (any float dtype).
+        k_pe: ``(batch, 1, seq, rotary_dim)``, the shared key's rope slice.
+        cos, sin: half-width float32 tables ``(batch, 1, seq, rotary_dim // 2)``.
+        layout: the pairing q and k_pe are stored in: ``"interleaved"`` (DeepSeek's checkpoints;
+            the channels are put in the half order, then rotated) or ``"half"``.
+
+    Returns:
+        ``(q_rotated, k_pe_rotated)`` in the half pairing, shapes and dtypes of q and k_pe, as
+        :func:`ropekit.mla.apply_rotary_mla` with ``output_layout="half"`` gives them.
+    """
+    if layout == "interleaved":  # pairs (2i, 2i + 1) -> (i, i + rotary_dim / 2), as transformers reorders them
+        q, k_pe = (t.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2) for t in (q, k_pe))
+    return rotated(q, cos, sin, "half"), rotated(k_pe, cos, sin, "half")

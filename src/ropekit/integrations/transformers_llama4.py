@@ -11,7 +11,8 @@ interleaved layout, on ``(batch, seq, heads, head_dim)`` q and k. :func:`patch`:
 * wraps each ``Llama4TextAttention`` so that, while it runs, the modeling module's
   ``apply_rotary_emb`` rotates q and k with :func:`ropekit.apply_rotary_qk` (``rope.layout``,
   ``"interleaved"`` for Hugging Face's Llama 4 weights), the real and imaginary parts of
-  ``freqs_cis`` as cos and sin. Unpatched models fall through to the original function.
+  ``freqs_cis`` as cos and sin (while ``torch.compile`` traces it, the plain torch expressions of
+  :mod:`.transformers_compile`). Unpatched models fall through to the original function.
 
 What stays transformers': the choice of layers (``use_rope``, from ``no_rope_layers``; checked
 against the config, :mod:`.transformers_schedules`), the L2 norm of q and k on the RoPE layers
@@ -35,6 +36,7 @@ from ..config.families import attention_classes
 from ..functional import apply_rotary_qk
 from ..rope.frequencies import cos_sin
 from ..validation import check_layout
+from . import transformers_compile as traced
 from . import transformers_norms as norms
 from . import transformers_schedules as schedules
 from .transformers_norms import Call, current
@@ -119,6 +121,8 @@ def _dispatcher(original):
         schedules.start_rotation(call, FUNCTION)
         # (batch, seq, pairs) complex -> (batch, seq, 1, pairs) cos and sin against (batch, seq, heads, head_dim)
         cos, sin = freqs_cis.real.unsqueeze(2), freqs_cis.imag.unsqueeze(2)
+        if traced.EXPRESSIONS and torch.compiler.is_compiling():  # an expression inductor fuses
+            return traced.rotated_qk(xq, xk, cos, sin, call.layout)
         return apply_rotary_qk(xq, xk, cos, sin, layout=call.layout, backend=call.backend)
 
     apply_rotary_emb.__ropekit_original__ = original

@@ -9,7 +9,9 @@ dispatcher in place of the latter, as ``patch`` does for the former: inside a pa
 call it rotates with :func:`ropekit.mla.apply_rotary_mla` (``layout`` the patch's, interleaved
 by default; ``output_layout="half"``, transformers' order), elsewhere it runs transformers' own.
 The YaRN factors stay transformers': the tables from ``RopeConfig.from_hf`` (its attention
-factor), the softmax scale the attention module's own ``scaling``.
+factor), the softmax scale the attention module's own ``scaling``. While ``torch.compile`` traces
+the model, the same rotation and reordering are plain torch expressions
+(:func:`.transformers_compile.rotated_mla`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
+
 from ..fused.mla import apply_rotary_mla
+from . import transformers_compile as traced
 from .transformers_norms import current
 
 INTERLEAVE = "apply_rotary_pos_emb_interleave"
@@ -44,6 +49,8 @@ def _dispatcher(original):
         if call is None:
             return original(q, k, cos, sin, position_ids, unsqueeze_dim)
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)  # ropekit's half-width tables
+        if traced.EXPRESSIONS and torch.compiler.is_compiling():  # an expression inductor fuses
+            return traced.rotated_mla(q, k, cos, sin, call.layout)
         return apply_rotary_mla(q, k, cos, sin, layout=call.layout, output_layout="half", backend=call.backend)
 
     apply_rotary_pos_emb_interleave.__ropekit_original__ = original
