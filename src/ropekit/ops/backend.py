@@ -133,7 +133,8 @@ class Backend:
 
     def rotate_into_cache(self, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                           slots: Tensor | None, start: int, *, k_weight: Tensor | None, eps: float | None,
-                          weight_offset: float, per_token: bool, block_size: int, layout: str) -> None:
+                          weight_offset: float, per_token: bool, block_size: int, layout: str,
+                          k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
         """Write rotated keys (normalised first when ``eps`` is given) and the values into cache slots.
 
         Contiguous layout (``block_size == 0``): k, v ``(batch, kv_heads, seq, head_dim)`` go to
@@ -142,7 +143,18 @@ class Backend:
         ``(tokens, kv_heads, head_dim)``, caches ``(blocks, block_size, kv_heads, head_dim)``,
         token ``t`` at slot ``slots[t]``, skipped when negative. Slots outside the caches raise
         ValueError before anything is written. Default: rotate, then copy with indexing ops.
+
+        FP8 caches (``float8_e4m3fn``, ``float8_e5m2``; the other cache may keep its input's dtype)
+        come with float32 ``k_scale``/``v_scale`` of shape ``(kv_heads,)`` (a per-tensor scale
+        expanded), and hold ``fp8(clamp(x / scale, -max, max))`` of the float32 rotated keys
+        (values) (:mod:`ropekit.ops.fp8`). They are passed only for FP8 caches, so an override
+        written before them keeps working for the other caches.
         """
+        if k_scale is not None or v_scale is not None:
+            fused_eager.rotate_scaled(self, k, v, cos, sin, k_cache, v_cache, slots, start, k_scale=k_scale,
+                                      v_scale=v_scale, k_weight=k_weight, eps=eps, weight_offset=weight_offset,
+                                      per_token=per_token, block_size=block_size, layout=layout)
+            return
         k_rot = fused_eager.rotate_keys(self, k, cos, sin, k_weight=k_weight, eps=eps, weight_offset=weight_offset,
                                         per_token=per_token, block_size=block_size, layout=layout)
         fused_eager.write_slots(k_rot, v, k_cache, v_cache, slots, start, block_size)

@@ -28,6 +28,7 @@ import torch
 from . import build
 from .backend import Backend
 from .eager import EagerBackend
+from .fp8 import is_fp8
 
 KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -87,8 +88,10 @@ class CppBackend(Backend):
         return x.dtype in KERNEL_DTYPES and x.is_cpu and x.layout is torch.strided
 
     def cannot_run(self, x: torch.Tensor) -> str | None:
-        """See :class:`ropekit.ops.Backend`: strided CPU tensors of a kernel dtype."""
-        return None if self.takes(x) else "strided CPU tensors of dtype float32, float64, bfloat16 or float16"
+        """See :class:`ropekit.ops.Backend`: strided CPU tensors of a kernel dtype (FP8: the caches it writes)."""
+        if self.takes(x) or (is_fp8(x.dtype) and x.is_cpu and x.layout is torch.strided):
+            return None
+        return "strided CPU tensors of dtype float32, float64, bfloat16 or float16 (FP8 caches too)"
 
     def apply_rotary(self, x, cos, sin, *, layout, conjugate, inplace):
         """See :class:`ropekit.ops.Backend`."""
@@ -191,8 +194,19 @@ class CppBackend(Backend):
         return grad_x, (None if weight is None else grad_w)
 
     def rotate_into_cache(self, k, v, cos, sin, k_cache, v_cache, slots, start, *, k_weight, eps, weight_offset,
-                          per_token, block_size, layout):
-        """See :class:`ropekit.ops.Backend`."""
+                          per_token, block_size, layout, k_scale=None, v_scale=None):
+        """See :class:`ropekit.ops.Backend`; FP8 caches (with their scales) go to ``rotate_into_cache_scaled``."""
+        if k_scale is not None or v_scale is not None:
+            if not (self._takes_all(k, cos, sin, slots, k_weight, k_scale, k_cache) and self._takes_all(v, v_scale,
+                                                                                                         v_cache)):
+                return super().rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight,
+                                                 eps=eps, weight_offset=weight_offset, per_token=per_token,
+                                                 block_size=block_size, layout=layout, k_scale=k_scale,
+                                                 v_scale=v_scale)
+            self.module.rotate_into_cache_scaled(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, eps,
+                                                 weight_offset, per_token, block_size, layout == "interleaved",
+                                                 k_scale, v_scale)
+            return None
         if not (self._takes_all(k_cache, k, cos, sin, slots, k_weight) and self._takes_all(v_cache, v)):
             return super().rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight,
                                              eps=eps, weight_offset=weight_offset, per_token=per_token,

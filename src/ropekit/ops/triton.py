@@ -23,6 +23,7 @@ from . import triton_fused as fused
 from . import triton_kernel as kern
 from .backend import Backend
 from .eager import EagerBackend, full_rank
+from .fp8 import is_fp8
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -44,9 +45,10 @@ class TritonBackend(Backend):
 
     def cannot_run(self, x: Tensor) -> str | None:
         """See :class:`ropekit.ops.Backend`: CUDA tensors (any device interpreted) of float32, float16 or bfloat16."""
-        if kern.can_launch(x) and x.dtype in KERNEL_DTYPES:
+        if kern.can_launch(x) and (x.dtype in KERNEL_DTYPES or is_fp8(x.dtype)):
             return None
-        return "CUDA tensors (any device under TRITON_INTERPRET=1) of dtype float32, float16 or bfloat16"
+        return (
+            "CUDA tensors (any device under TRITON_INTERPRET=1) of dtype float32, float16 or bfloat16 (FP8 caches too)")
 
     def apply_rotary(self, x, cos, sin, *, layout, conjugate, inplace):
         """See :class:`ropekit.ops.Backend`."""
