@@ -190,6 +190,36 @@ def test_float64_keys_into_fp8_raise():
         ropekit.rotate_into_cache(k, k.clone(), cos, sin, *caches, 0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float64_values_into_a_float64_cache_beside_fp8_keys(backend):
+    """Each cache on its own: FP8 keys beside float64 values (copied bit for bit, never through float32)."""
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 2, 1, 8, generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(2, 2, 1, 8, generator=gen, dtype=torch.float64) * (1 + 2.0**-40)
+    cos, sin = torch.ones(2, 1, 1, 4), torch.zeros(2, 1, 1, 4)  # angle 0: the keys stay as they are
+    k_cache = torch.full((2, 2, 4, 8), SENTINEL).to(torch.float8_e4m3fn)
+    v_cache = torch.full((2, 2, 4, 8), SENTINEL, dtype=torch.float64)
+    ropekit.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, 1, k_scale=0.5, backend=backend)
+    assert torch.equal(v_cache[:, :, 1:2], v) and (v_cache[:, :, [0, 2, 3]] == SENTINEL).all()
+    assert torch.equal(bits(k_cache[:, :, 1:2]), bits((k.float() / 0.5).to(torch.float8_e4m3fn)))
+
+
+@pytest.mark.skipif("cpu" not in ops.available(), reason="the C++ kernel is not built here")
+def test_cpu_operator_refuses_a_float64_cache_before_writing_the_other():
+    """The C++ entry point stores from float32: a float64 cache is refused before the FP8 keys are written."""
+    from ropekit.ops import dispatch
+
+    module = dispatch.get("cpu").module
+    k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8, dtype=torch.float64)
+    cos, sin = torch.ones(1, 1, 1, 4), torch.zeros(1, 1, 1, 4)
+    k_cache = torch.zeros(1, 2, 3, 8, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros(1, 2, 3, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="caches of dtype float8_e4m3fn, float8_e5m2, bfloat16, float16 or float32"):
+        module.rotate_into_cache_scaled(k, v, cos, sin, k_cache, v_cache, None, 0, None, None, 0.0, False, 0, False,
+                                        torch.ones(2), None)
+    assert not bits(k_cache).any() and not v_cache.any()
+
+
 def test_dequantize_cache_bad_input():
     cache = torch.zeros(2, 2, 2, 4, dtype=torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="cache must be a float8"):

@@ -197,8 +197,9 @@ class CppBackend(Backend):
                           per_token, block_size, layout, k_scale=None, v_scale=None):
         """See :class:`ropekit.ops.Backend`; FP8 caches (with their scales) go to ``rotate_into_cache_scaled``."""
         if k_scale is not None or v_scale is not None:
-            if not (self._takes_all(k, cos, sin, slots, k_weight, k_scale, k_cache) and self._takes_all(v, v_scale,
-                                                                                                         v_cache)):
+            takes = self._takes_all(k, cos, sin, slots, k_weight, k_scale, k_cache) and self._takes_all(v, v_scale,
+                                                                                                         v_cache)
+            if not takes or torch.float64 in (k.dtype, v.dtype):  # the kernel stores from float32: float64 stays eager
                 return super().rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight,
                                                  eps=eps, weight_offset=weight_offset, per_token=per_token,
                                                  block_size=block_size, layout=layout, k_scale=k_scale,

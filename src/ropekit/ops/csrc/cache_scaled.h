@@ -103,13 +103,18 @@ void store_into(const Tensor &x, const Tensor &cache, const std::vector<int64_t>
 bool is_fp8_dtype(at::ScalarType type) { return type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2; }
 
 // The scale of a cache as the store reads it: for an FP8 cache a float32 CPU (heads,) tensor of finite
-// values > 0 (contiguous), otherwise none at all.
+// values > 0 (contiguous), otherwise none at all (and the cache of its input's dtype, float32, bfloat16
+// or float16: float64 goes to the eager backend, which keeps it in float64).
 Tensor checked_scale(const c10::optional<Tensor> &scale, const Tensor &cache, const Tensor &x, int64_t heads,
                      const char *name) {
     const bool given = scale.has_value() && scale->defined();
     if (!is_fp8_dtype(cache.scalar_type())) {
         TORCH_CHECK_VALUE(x.scalar_type() == cache.scalar_type(), "ropekit_cpu: a cache that is not FP8 must have ",
                           "its input's dtype, got ", x.scalar_type(), " into ", cache.scalar_type());
+        // checked here, before either cache is written (the store's switch comes after the keys' store)
+        TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                         x.scalar_type() == at::kHalf, "ropekit_cpu: a scaled cache write takes caches of dtype "
+                         "float8_e4m3fn, float8_e5m2, bfloat16, float16 or float32, got ", cache.scalar_type());
         TORCH_CHECK_VALUE(!given, name, ": a scale is given for a ", cache.scalar_type(), " cache (FP8 caches only)");
         return Tensor();
     }
