@@ -8,16 +8,27 @@
 2. Runs the fuzzer in a child process with the compiler's ``libasan`` preloaded: ``--calls``
    seeded random calls of the ``torch.ops.ropekit_asan`` operators (apply_rotary, apply_rotary_,
    apply_rotary_qk, apply_rotary_qk_, the rms_norm_rotary forms and their backward, rotate_into_cache contiguous with
-   one start or per-row starts and paged, the rotate_offset forms (rows offset + t of full tables),
-   plan_rows) on random shapes, dtypes (float32, float64,
+   one start or per-row starts and paged, rotate_into_cache_scaled (FP8 caches), the rotate_offset
+   forms (rows offset + t of full tables), plan_rows) on random shapes, dtypes (float32, float64,
    bfloat16, float16), layouts, strides (permuted, sliced, channel-strided, empty) and tables that
    broadcast. Valid calls are compared with the float64 reference (:mod:`ropekit.ops.reference`;
    the norm and its gradient in float64 autograd); invalid ones (starts and slots out of the cache
    or near 2**63, tables of another batch, widths past head_dim, mismatched shapes, float slots,
    ...) must raise a Python exception and leave their outputs untouched, never be accepted.
    ``slot_mapping`` is fuzzed too (hostile block ids) against its formula.
-3. Prints one line (calls, valid, invalid, seconds, findings) and exits non-zero on any
-   AddressSanitizer report, crash, mismatch or accepted invalid call.
+   rotate_into_cache_scaled: float32, bfloat16 and float16 keys into float8_e4m3fn, float8_e5m2 or
+   plain caches (each its own), per-tensor and per-head scales from saturating to subnormal
+   entries, slots up to the cache's last one and padding, norm or not. The keys must lie in the
+   bracket of the float64 reference (``fp8(clamp(x / scale))`` of x = reference -+ 8 float32 ulps
+   at the pair's radius: the reference's own entry wherever no rounding boundary is that close;
+   the run fails if under 90% of the entries are pinned so), the values must be
+   ``fp8(clamp(v.float() / scale))`` bit for bit, nothing else may change. Refused: scales of 0,
+   NaN, inf, negative, of the wrong shape or dtype, missing or given for a plain cache, float64 or
+   FP8 inputs, caches of another dtype, too small or of another shape, k and v of different
+   shapes, and the slot misfits above.
+3. Prints one line (calls, valid, invalid, seconds, findings, FP8 entries and the share pinned to
+   one entry) and exits non-zero on any AddressSanitizer report, crash, mismatch or accepted
+   invalid call.
 """
 
 from __future__ import annotations
