@@ -251,3 +251,46 @@ def test_cpu_operator_checks_its_scales_itself():
         with pytest.raises(ValueError, match=message):
             module.rotate_into_cache_scaled(*args, k_scale, torch.ones(2))
     assert not bits(k_cache).any()
+
+
+def _dense_float32_sample(fp8: torch.dtype) -> torch.Tensor:
+    """Float32 values where a conversion to ``fp8`` can go wrong, both signs, as a 1-D tensor.
+
+    Every finite FP8 value and every midpoint between neighbours (the rounding boundaries, ties
+    included), each with its float32 neighbours up to 4 ulps either side; the float32 subnormals'
+    and normals' ends, zeros, infinities, NaNs with several payloads, values past the largest FP8
+    value; and 2**16 random bit patterns.
+    """
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].sort().values.double()
+    mids = (grid[1:] + grid[:-1]) / 2
+    beyond = torch.tensor([FP8_MAX[fp8] * 1.0625, FP8_MAX[fp8] * 1.125, FP8_MAX[fp8] * 2, 1e30, 3.4028234663852886e38])
+    anchors = torch.cat([grid, mids, beyond]).float().view(torch.int32)
+    near = (anchors[:, None] + torch.arange(-4, 5, dtype=torch.int32)).reshape(-1)
+    special = torch.tensor([0, 1, 2, 0x007FFFFF, 0x00800000, 0x00800001, 0x7F7FFFFF, 0x7F800000, 0x7F800001,
+                            0x7FC00000, 0x7FFFFFFF], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(11)
+    random = torch.randint(-2**31, 2**31, (2**16,), dtype=torch.int64, generator=gen).to(torch.int32)
+    positive = torch.cat([near[near >= 0], special])
+    return torch.cat([positive, positive | torch.tensor(-2**31, dtype=torch.int32), random]).view(torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fp8", FP8)
+def test_store_conversion_equals_torch_on_a_dense_sample_of_float32(backend, fp8):
+    """The kernels' own float32 -> FP8 store (branch-free in C++) gives torch's ``.to()`` of the clamped value.
+
+    The values go in as v with a scale of 1 (no rotation, an exact division): every entry must be
+    ``clamp(x, -max, max).to(fp8)`` bit for bit, NaN included.
+    """
+    x = _dense_float32_sample(fp8)
+    heads, d = 4, 64
+    n = -(-x.numel() // (heads * d)) * heads * d
+    x = torch.cat([x, torch.zeros(n - x.numel())]).reshape(1, heads, -1, d)
+    k = torch.zeros_like(x)
+    cos, sin = torch.ones(x.shape[2], d // 2), torch.zeros(x.shape[2], d // 2)
+    k_cache = torch.zeros(1, heads, x.shape[2], d, dtype=fp8)
+    v_cache = torch.zeros(1, heads, x.shape[2], d, dtype=fp8)
+    ropekit.rotate_into_cache(k, x, cos, sin, k_cache, v_cache, 0, k_scale=1.0, v_scale=1.0, backend=backend)
+    want = x.clamp(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8)
+    assert torch.equal(v_cache.view(torch.uint8), want.view(torch.uint8))
