@@ -36,7 +36,7 @@ from ..validation import (
     check_positive_float,
     check_tables,
 )
-from .cache_scales import check_scale
+from .cache_scales import check_scale, scaled_call
 
 _INT64_END = 2**63  # slots are int64: every slot is below this
 
@@ -188,13 +188,18 @@ def rotate_into_cache(
     """
     scaled = k_scale is not None or v_scale is not None or is_fp8(getattr(k_cache, "dtype", None)) or is_fp8(
         getattr(v_cache, "dtype", None))
-    key, run = (None, None) if scaled else prepared_keys.rotate_into_cache(
-        k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight, eps, norm, weight_offset, block_size,
-        backend)  # the layout as given; FP8 caches take the checked path every call
+    key, run = prepared_keys.rotate_into_cache(
+        k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight, eps, norm, weight_offset, block_size, backend,
+        k_scale, v_scale)  # the layout as given
     if run is not None:
         slots_int = type(slots) is int
-        try:  # the kernels check the slots' values (inside the caches) on every call, before writing
-            run(k, v, cos, sin, k_cache, v_cache, None if slots_int else slots, slots if slots_int else 0, k_weight)
+        try:  # the kernels check the slots' values (inside the caches), and the scales', on every call, before writing
+            if scaled:
+                run(k, v, cos, sin, k_cache, v_cache, None if slots_int else slots, slots if slots_int else 0,
+                    k_weight, k_scale, v_scale)
+            else:
+                run(k, v, cos, sin, k_cache, v_cache, None if slots_int else slots, slots if slots_int else 0,
+                    k_weight)
             return
         except (RuntimeError, ValueError, TypeError):
             pass  # the checks below raise what a first call raises (or this call raises the kernel's error again)
@@ -230,6 +235,13 @@ def rotate_into_cache(
     call = dict(k_weight=k_weight, eps=eps, weight_offset=weight_offset, per_token=per_token, block_size=paged_block,
                 layout=layout)
     if scaled:
+        if operators_fused.direct(k, v, cos, sin, k_cache, v_cache):
+            options = {n: value for n, value in call.items() if n != "k_weight"}
+            write = kernel.prepared_scaled_cache_write(
+                k_weight_given=k_weight is not None,
+                like=(k, v, cos, sin, k_cache, v_cache, slot_tensor, k_weight, k_scales, v_scales), **options)
+            prepared.keep(key, scaled_call(write, k_scale, k_scales, v_scale, v_scales, heads),
+                          (k_cache, v_cache, k, v, cos, sin, slots, k_weight, k_scale, v_scale))
         operators_fused.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slot_tensor, start, backend=name,
                                           k_scale=k_scales, v_scale=v_scales, **call)
         return
@@ -237,7 +249,7 @@ def rotate_into_cache(
         write = kernel.prepared_cache_write(
             k_weight_given=k_weight is not None, like=(k, v, cos, sin, k_cache, v_cache, slot_tensor, k_weight),
             **{n: value for n, value in call.items() if n != "k_weight"})
-        prepared.keep(key, write, (k_cache, v_cache, k, v, cos, sin, slots, k_weight))
+        prepared.keep(key, write, (k_cache, v_cache, k, v, cos, sin, slots, k_weight, None, None))
     operators_fused.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slot_tensor, start, backend=name, **call)
 
 

@@ -54,6 +54,40 @@ def check_scale(scale, name: str, cache: Tensor, cache_name: str, kv_heads: int)
     return values.expand(kv_heads).contiguous()
 
 
+def _per_head(scale: Tensor, kv_heads: int) -> Tensor:
+    """The float32 ``(kv_heads,)`` values of a scale tensor of a checked signature (:func:`check_scale`'s)."""
+    return scale.detach().to(torch.float32).reshape(-1).expand(kv_heads).contiguous()
+
+
+def _source(scale, values: Tensor | None, kv_heads: int):
+    """How a prepared call of the signature of ``scale`` gets the scale its backend takes, as :func:`check_scale`.
+
+    None or a number: ``values``, the same on every call (the signature holds the number); a float32
+    ``(kv_heads,)`` contiguous tensor: itself; another tensor: converted and expanded. The values
+    are not checked here: the prepared call checks them (:meth:`ropekit.ops.Backend.prepared_scaled_cache_write`).
+    """
+    if not isinstance(scale, Tensor):
+        return lambda s: values
+    if scale.dtype == torch.float32 and tuple(scale.shape) == (kv_heads,) and scale.is_contiguous():
+        return lambda s: s
+    return lambda s: _per_head(s, kv_heads)
+
+
+def scaled_call(write, k_scale, k_values: Tensor | None, v_scale, v_values: Tensor | None, kv_heads: int):
+    """The prepared call of ``rotate_into_cache`` with FP8 caches: ``write`` given the scales as :func:`check_scale`.
+
+    ``k_scale``/``v_scale`` are the checked call's scales and ``k_values``/``v_values`` what
+    :func:`check_scale` made of them; the call takes the backend's cache-write arguments and the
+    scales as the caller passes them (a later call of the same signature).
+    """
+    k_of, v_of = _source(k_scale, k_values, kv_heads), _source(v_scale, v_values, kv_heads)
+
+    def run(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, k_scale, v_scale):
+        write(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, k_of(k_scale), v_of(v_scale))
+
+    return run
+
+
 def dequantize_cache(cache: Tensor, scale: float | Tensor = 1.0, dtype: torch.dtype = torch.float32, *,
                      block_size: int | None = None) -> Tensor:
     """An FP8 KV cache read back: ``float(q) * scale``, as vLLM's attention reads it.

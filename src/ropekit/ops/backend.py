@@ -176,6 +176,26 @@ class Backend:
 
         return run
 
+    def prepared_scaled_cache_write(self, *, k_weight_given: bool, eps: float | None, weight_offset: float,
+                                    per_token: bool, block_size: int, layout: str, like: tuple = ()):
+        """:meth:`prepared_cache_write` for FP8 caches; the call also takes ``k_scale, v_scale`` (last).
+
+        ``like`` ends with the float32 ``(kv_heads,)`` scales (None for a cache that is not FP8), as
+        :meth:`rotate_into_cache` takes them. The scales' values differ from call to call: the
+        call checks them (finite and > 0) before writing anything, and raises ValueError otherwise
+        (this default with one reduction per scale; a backend whose kernel checks them may return
+        a leaner call).
+        """
+        def run(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, k_scale, v_scale):
+            for scale in (k_scale, v_scale):
+                if scale is not None and not bool(torch.all(torch.isfinite(scale) & (scale > 0))):
+                    raise ValueError("an FP8 scale must be finite and > 0")
+            self.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight, eps=eps,
+                                   weight_offset=weight_offset, per_token=per_token, block_size=block_size,
+                                   layout=layout, k_scale=k_scale, v_scale=v_scale)
+
+        return run
+
     def prepared(self, tensors: tuple[Tensor, ...], *, layout: str, inplace: bool, conjugate: bool = False):
         """A call ``run(*tensors)`` for tensors of exactly these shapes, strides, dtypes and devices.
 

@@ -231,6 +231,23 @@ class CppBackend(Backend):
 
         return run
 
+    def prepared_scaled_cache_write(self, *, k_weight_given, eps, weight_offset, per_token, block_size, layout,
+                                    like=()):
+        """``rotate_into_cache_scaled`` itself, bound to the options, for tensors it takes (it checks the scales)."""
+        k, v, cos, sin, k_cache, v_cache, slots, k_weight, k_scale, v_scale = like
+        if not (self.is_available() and self._takes_all(k, cos, sin, slots, k_weight, k_scale, k_cache)
+                and self._takes_all(v, v_scale, v_cache)) or torch.float64 in (k.dtype, v.dtype):
+            return super().prepared_scaled_cache_write(k_weight_given=k_weight_given, eps=eps,
+                                                       weight_offset=weight_offset, per_token=per_token,
+                                                       block_size=block_size, layout=layout, like=like)
+        write, interleaved = self.module.rotate_into_cache_scaled, layout == "interleaved"
+
+        def run(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, k_scale, v_scale):
+            write(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, eps, weight_offset, per_token, block_size,
+                  interleaved, k_scale, v_scale)
+
+        return run
+
     def prepared_by_offset(self, tensors, *, seq_dim, layout, inplace, conjugate=False):
         """The extension's offset function itself, bound to the options (see :class:`Backend`), for tensors it takes."""
         if not (self.is_available() and all(self.takes(t) and t.numel() for t in tensors)):
