@@ -21,13 +21,13 @@ constexpr bool is_fp8_type() {
     return std::is_same<Out, c10::Float8_e4m3fn>::value || std::is_same<Out, c10::Float8_e5m2>::value;
 }
 
-// The bits of c10's float32 -> FP8 conversions (c10::detail::fp8e4m3fn_from_fp32_value,
-// fp8e5m2_from_fp32_value: what torch's .to() rounds with), computed without branches so that the
-// compiler vectorises the store's loop: both of c10's paths (the float addition that rounds below
-// the smallest normal, the integer rounding above it) for every element, then selects on integer
-// compares of the magnitude's bits (a float compare may trap on NaN: the compiler keeps it a branch).
-// Unsigned arithmetic wraps in the path not taken; its result is dropped. Equal to c10's for every
-// float32 (tests/test_fp8_cache.py compares a dense sample of them with torch's .to()).
+// The bits of c10's float32 -> FP8 conversion (c10::detail::fp8e4m3fn_from_fp32_value,
+// fp8e5m2_from_fp32_value: what torch's .to() rounds with) of clamp(f, -max, max), NaN kept NaN,
+// computed without branches so that the compiler vectorises the store's loop: both of c10's paths
+// (the float addition that rounds below the smallest normal, the integer rounding above it) for
+// every element, then selects on integer compares of the magnitude's bits. Unsigned arithmetic
+// wraps in a path not taken; its result is dropped. Equal to c10's conversion of the clamped value
+// for every float32 (tests/test_fp8_cache.py compares a dense sample with torch's clamp and .to()).
 inline uint32_t f32_bits(float f) {
     uint32_t u;
     std::memcpy(&u, &f, sizeof u);
@@ -40,39 +40,34 @@ inline float f32_of(uint32_t u) {
     return f;
 }
 
-// All ones where c, else zero; a where c, else b: selects as arithmetic, no branch for the compiler
-// to keep (it keeps one around a float addition, which may trap, and then does not vectorise).
-inline uint32_t mask(bool c) { return UINT32_C(0) - static_cast<uint32_t>(c); }
-inline uint32_t pick(bool c, uint32_t a, uint32_t b) { return (a & mask(c)) | (b & ~mask(c)); }
+// Selects as arithmetic, with no branch for the compiler to keep (it keeps one around a float
+// addition or compare, which may trap, and then does not vectorise): below(a, b) is all ones where
+// a < b, else zero, for a and b below 2**31 (the sign of their difference); pick(m, a, b) is a where m.
+inline uint32_t below(uint32_t a, uint32_t b) {
+    return static_cast<uint32_t>(static_cast<int32_t>(a - b) >> 31);
+}
+inline uint32_t pick(uint32_t m, uint32_t a, uint32_t b) { return (a & m) | (b & ~m); }
 
 // bias: 127 - the format's exponent bias; shift: 23 - its mantissa bits; small: the float32 exponent
-// of its smallest normal; overflow: the float32 bits from which c10 gives `huge` (or NaN, for NaN).
-template <uint32_t bias, uint32_t shift, uint32_t small, uint32_t overflow, uint32_t huge, bool nan_carry>
-inline uint8_t fp8_bits_of(float f) {
+// of its smallest normal; limit: the float32 bits of its largest finite value, whose code is top.
+template <uint32_t bias, uint32_t shift, uint32_t small, uint32_t limit, uint32_t top>
+inline uint8_t saturated_bits(float f) {
     const uint32_t bits = f32_bits(f), sign = bits & UINT32_C(0x80000000), a = bits ^ sign;
     constexpr uint32_t denorm = (bias + shift + 1) << 23;
     const uint32_t tiny = f32_bits(f32_of(a) + f32_of(denorm)) - denorm;  // below the smallest normal
     const uint32_t half = (UINT32_C(1) << (shift - 1)) - 1;
-    uint32_t normal = ((a - (bias << 23) + half + ((a >> shift) & 1)) >> shift) & UINT32_C(0xFF);
-    if constexpr (nan_carry) normal -= static_cast<uint32_t>(normal == UINT32_C(0x7F));  // e4m3fn: max, not NaN
-    const uint32_t top = huge | (UINT32_C(0x7F) & mask(a > UINT32_C(0x7F800000)));      // NaN, or `huge`
-    const uint32_t r = pick(a >= overflow, top, pick(a < (small << 23), tiny, normal));
+    const uint32_t normal = (a - (bias << 23) + half + ((a >> shift) & 1)) >> shift;
+    const uint32_t big = top | (UINT32_C(0x7F) & below(UINT32_C(0x7F800000), a));  // NaN: 0x7F; else max
+    const uint32_t r = pick(below(limit, a), big, pick(below(a, small << 23), tiny, normal));
     return static_cast<uint8_t>(r | (sign >> 24));
 }
 
-inline uint8_t e4m3fn_bits(float f) { return fp8_bits_of<120, 20, 121, (UINT32_C(1087) << 20), 0x7E, true>(f); }
-inline uint8_t e5m2_bits(float f) { return fp8_bits_of<112, 21, 113, (UINT32_C(143) << 23), 0x7C, false>(f); }
-
 template <class Out>
-inline uint8_t fp8_bits(float f) {
-    if constexpr (std::is_same<Out, c10::Float8_e4m3fn>::value) return e4m3fn_bits(f);
-    else return e5m2_bits(f);
-}
-
-// clamp(x, -limit, limit) (limit's bits given), NaN kept: on the magnitude's bits, without a float compare.
-inline float clamp_bits(float x, uint32_t limit) {
-    const uint32_t bits = f32_bits(x), sign = bits & UINT32_C(0x80000000), a = bits ^ sign;
-    return f32_of(pick((a > limit) & (a <= UINT32_C(0x7F800000)), limit, a) | sign);
+inline uint8_t fp8_saturated(float f) {
+    if constexpr (std::is_same<Out, c10::Float8_e4m3fn>::value)
+        return saturated_bits<120, 20, 121, UINT32_C(0x43E00000), 0x7E>(f);  // 448
+    else
+        return saturated_bits<112, 21, 113, UINT32_C(0x47600000), 0x7B>(f);  // 57344
 }
 
 // n rows of d float32 channels (src, contiguous) into dst (row stride dst_stride, unit channel stride).
@@ -82,10 +77,9 @@ void store_rows(const float *src, Out *dst, int64_t n, int64_t d, int64_t dst_st
         const float *x = src + i * d;
         Out *o = dst + i * dst_stride;
         if constexpr (is_fp8_type<Out>()) {
-            const uint32_t limit = f32_bits(static_cast<float>(std::numeric_limits<Out>::max()));
             uint8_t *ob = reinterpret_cast<uint8_t *>(o);
             for (int64_t j = 0; j < d; j++)  // a division, as vLLM (not a product with 1 / scale)
-                ob[j] = fp8_bits<Out>(clamp_bits(x[j] / scale, limit));
+                ob[j] = fp8_saturated<Out>(x[j] / scale);
         } else {
             for (int64_t j = 0; j < d; j++) o[j] = Out(x[j]);
         }
