@@ -12,6 +12,12 @@ alike), at every thread count asked for; ratios are computed from the medians of
              against ropekit.apply_rotary then two slice copies into the caches (rotate-then-copy),
              every call at the next slot as decoding writes them (and, apart, always the same
              slot); timed 200 calls at a time
+    fp8      k, v into float8_e4m3fn caches with per-head scales: ropekit.rotate_into_cache against
+             ropekit.apply_rotary, a division by the scale, a clamp, .to(float8_e4m3fn) and
+             index_copy_ (of k and of v), at a decode shape (16, 8, 1, 128) (caches (16, 8, 1024,
+             128), the next slot every call; timed 50 calls at a time) and a prefill shape (1, 8,
+             2048, 128) (caches (1, 8, 4096, 128)), float32 and bfloat16 inputs: all eight calls
+             interleaved in the same rounds; medians with their min-max over the rounds
     model    greedy decoding of a tiny random Qwen3 (4 layers, hidden 256, 8 heads, 4 kv heads,
              head_dim 64): tokens/s unpatched, patched (transformers' default cache), patched with
              ropekit's static cache, and unpatched with transformers' StaticCache
@@ -19,8 +25,10 @@ alike), at every thread count asked for; ratios are computed from the medians of
 Each row reports the median and the spread (interquartile range over the repeats, % of the
 median). Usage::
 
-    python benchmarks/fused.py [--repeats 30] [--threads 1 2] [--parts prefill decode model]
+    python benchmarks/fused.py [--repeats 30] [--threads 1 2] [--parts prefill decode fp8 model]
         [--dtype bfloat16] [--json]
+
+(``fp8`` times float32 and bfloat16 inputs in one run, whatever ``--dtype`` says.)
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 
 import torch
@@ -134,6 +143,72 @@ def decode(dtype: torch.dtype, repeats: int) -> dict:
             "speedup_same_slot": t["same slot: rotate then copy"][0] / t["same slot: rotate into cache"][0]}
 
 
+def fp8_calls(shape: tuple, length: int, dtype: torch.dtype, calls: int, gen: torch.Generator):
+    """``(unfused, fused)``: each writes k, v of ``shape`` into its own float8_e4m3fn caches ``calls`` times."""
+    batch, heads, seq, dim = shape
+    k = torch.randn(*shape, generator=gen).to(dtype)
+    v = torch.randn(*shape, generator=gen).to(dtype)
+    k_scale = torch.rand(heads, generator=gen) * 0.02 + 0.01  # per head, float32 (vLLM's k_scale, v_scale)
+    v_scale = torch.rand(heads, generator=gen) * 0.02 + 0.01
+    limit = torch.finfo(torch.float8_e4m3fn).max
+    inv_freq, _ = ropekit.inv_frequencies(dim)
+    cos, sin = ropekit.cos_sin(torch.arange(length), inv_freq)
+    steps = [(p, cos[p:p + seq], sin[p:p + seq], torch.arange(p, p + seq)) for p in range(0, length, seq)]
+
+    def caches():
+        return [torch.zeros(batch, heads, length, dim, dtype=torch.float8_e4m3fn) for _ in range(2)]
+
+    def unfused(k_cache, v_cache, step):
+        ks, vs = k_scale.view(1, -1, 1, 1), v_scale.view(1, -1, 1, 1)
+        k_bytes, v_bytes = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        for _ in range(calls):
+            _, c, s, index = step()
+            kq = (ropekit.apply_rotary(k, c, s) / ks).clamp(-limit, limit).to(torch.float8_e4m3fn)
+            vq = (v / vs).clamp(-limit, limit).to(torch.float8_e4m3fn)
+            k_bytes.index_copy_(2, index, kq.view(torch.uint8))
+            v_bytes.index_copy_(2, index, vq.view(torch.uint8))
+
+    def fused(k_cache, v_cache, step):
+        for _ in range(calls):
+            p, c, s, _ = step()
+            ropekit.rotate_into_cache(k, v, c, s, k_cache, v_cache, p, k_scale=k_scale, v_scale=v_scale)
+
+    unfused_args = (*caches(), itertools.cycle(steps).__next__)  # each form its own caches and slot count
+    fused_args = (*caches(), itertools.cycle(steps).__next__)
+    return lambda: unfused(*unfused_args), lambda: fused(*fused_args)
+
+
+def fp8(dtype: torch.dtype, repeats: int) -> dict:
+    """k, v into float8_e4m3fn caches with per-head scales: rotate_into_cache against the unfused composition.
+
+    The composition a user writes without the fused form: rotate k with ropekit (in k's dtype),
+    divide by the per-head scale, clamp to +-448, convert to float8_e4m3fn, ``index_copy_`` into the
+    cache (through uint8 views: torch has no FP8 ``index_copy_`` on the CPU); v the same without the
+    rotation. Decode writes the next slot every call (as ``decode`` does); prefill writes positions
+    0..2047 of each row, then 2048..4095. Both dtypes and shapes run in the same interleaved rounds
+    (``dtype`` is not used).
+    """
+    del dtype
+    gen = torch.Generator().manual_seed(3)
+    cases = {"decode": ((16, 8, 1, 128), 1024, 50), "prefill": ((1, 8, 2048, 128), 4096, 1)}  # shape, length, calls
+    fns, load = {}, [os.getloadavg()[0]]
+    for (name, (shape, length, calls)), dtype in itertools.product(cases.items(), (torch.float32, torch.bfloat16)):
+        label = f"{name} {str(dtype).removeprefix('torch.')}"
+        fns[f"{label}: unfused"], fns[f"{label}: rotate_into_cache"] = fp8_calls(shape, length, dtype, calls, gen)
+    times = timings(fns, repeats, 1, 3)
+    load.append(os.getloadavg()[0])
+    rows = []
+    for label in dict.fromkeys(n.split(": ")[0] for n in fns):
+        calls = cases[label.split()[0]][2]
+        row = {"case": label}
+        for form in ("unfused", "rotate_into_cache"):
+            us = [1e6 * t / calls for t in times[f"{label}: {form}"]]
+            row[form] = {"us": statistics.median(us), "min": min(us), "max": max(us)}
+        row["speedup"] = row["unfused"]["us"] / row["rotate_into_cache"]["us"]
+        rows.append(row)
+    return {"rows": rows, "torch": torch.__version__, "load_average_1min": load}
+
+
 def tiny_qwen3(dtype: torch.dtype):
     """A random 4-layer Qwen3 (q/k norms) small enough that RoPE and the norms are a visible share of a step."""
     import transformers
@@ -194,7 +269,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--parts", nargs="+", choices=["prefill", "decode", "model"],
+    parser.add_argument("--parts", nargs="+", choices=["prefill", "decode", "fp8", "model"],
                         default=["prefill", "decode", "model"])
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -202,7 +277,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     if "cpu" not in ropekit.ops.available():  # builds the kernel first if needed
         raise SystemExit("the CPU kernel is not available here")
-    parts = {"prefill": prefill, "decode": decode, "model": model}
+    parts = {"prefill": prefill, "decode": decode, "fp8": fp8, "model": model}
     for threads in args.threads:
         torch.set_num_threads(threads)
         for part in args.parts:

@@ -153,11 +153,17 @@ from ropekit.ops import triton_fused
 
 forward, backward = triton_fused._jit(False)
 pointers = dict(X="*bf16", OUT="*bf16", GRAD="*bf16", GRAD_X="*bf16", COS="*fp32", SIN="*fp32", GAINS="*fp32",
-                SLOTS="*i64", PARTIAL="*fp32")
-forward_flags = [dict(INTERLEAVED=i, NORM=True, PER_TOKEN=p, HAS_GAINS=True, DEST=d, HAS_SLOTS=d > 0, INT64=i)
-                 for i in (False, True) for p in (False, True) for d in (0, 1, 2)]
+                SLOTS="*i64", PARTIAL="*fp32", SCALE="*fp32")
+unscaled = dict(SCALED=False, FP8_MAX=0.0, MANT=0, EMIN=0)
+forward_flags = [dict(INTERLEAVED=i, NORM=True, PER_TOKEN=p, HAS_GAINS=True, DEST=d, HAS_SLOTS=d > 0, INT64=i,
+                      **unscaled) for i in (False, True) for p in (False, True) for d in (0, 1, 2)]
 forward_flags.append(dict(INTERLEAVED=False, NORM=False, PER_TOKEN=False, HAS_GAINS=False, DEST=2, HAS_SLOTS=True,
-                          INT64=False))
+                          INT64=False, **unscaled))
+for out, limit, mant, emin in (("*fp8e4nv", 448.0, 3, -6), ("*fp8e5", 57344.0, 2, -14)):  # FP8 caches
+    for d in (1, 2):
+        forward_flags.append(dict(INTERLEAVED=False, NORM=True, PER_TOKEN=False, HAS_GAINS=True, DEST=d,
+                                  HAS_SLOTS=True, INT64=False, SCALED=True, FP8_MAX=limit, MANT=mant, EMIN=emin,
+                                  OUT_TYPE=out))
 backward_flags = [dict(INTERLEAVED=i, PER_TOKEN=p, HAS_GAINS=g, INT64=i) for i in (False, True)
                   for p in (False, True) for g in (False, True)]
 count = 0
@@ -165,8 +171,10 @@ for kernel, source, flag_sets in ((forward, triton_fused._forward_kernel, forwar
                                   (backward, triton_fused._backward_kernel, backward_flags)):
     names = list(inspect.signature(source).parameters)
     for flags in flag_sets:
+        flags = dict(flags)
+        types = dict(pointers, OUT=flags.pop("OUT_TYPE", pointers["OUT"]))
         constants = dict(BLOCK_S=4, BLOCK_H=8 if flags["PER_TOKEN"] else 1, BLOCK_R=64, BLOCK_T=1, **flags)
-        signature = {n: pointers.get(n, "constexpr" if n in constants else "fp32" if n == "eps" else "i32")
+        signature = {n: types.get(n, "constexpr" if n in constants else "fp32" if n == "eps" else "i32")
                      for n in names}
         try:
             compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
@@ -192,7 +200,7 @@ def test_fused_kernels_compile_for_sm90(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     if done.stdout.startswith("SKIP"):
         pytest.skip(done.stdout)
-    assert done.stdout.split() == ["compiled", "21"]
+    assert done.stdout.split() == ["compiled", "25"]  # 21 kernels, 4 of them again into FP8 caches
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

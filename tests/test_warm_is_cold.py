@@ -26,9 +26,11 @@ torch.set_num_threads(1)
 
 B, H, S, D, MAX_LEN, BLOCK = 2, 2, 3, 8, 8, 4
 ENTRIES = ("apply_rotary", "apply_rotary_qk", "rotate", "rotate_qk", "rotate_qk_offset", "rms_norm_rotary_qk",
-           "rms_norm_rotary", "cache_contiguous", "cache_paged", "module_forward")
+           "rms_norm_rotary", "cache_contiguous", "cache_paged", "module_forward", "fp8_contiguous", "fp8_paged")
 MODULES: dict[str, ropekit.RotaryEmbedding] = {}  # one per backend name, kept across calls: its calls get warm
-VARIANTS = ("valid", "valid", "valid", "same_tensor", "overlap", "inplace_int", "dtype", "table_batch")
+VARIANTS = ("valid", "valid", "valid", "same_tensor", "overlap", "inplace_int", "dtype", "table_batch", "scale_zero",
+            "scale_nan", "scale_kind")  # the scale_* variants: FP8 entries only (valid calls elsewhere)
+SCALE_KINDS = ("per_head", "per_tensor", "float", "none", "per_head_bf16")
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "no-such-backend")
 
 
@@ -85,6 +87,8 @@ def build(entry: str, variant: str, dtype: torch.dtype, inplace: bool, backend: 
     if entry == "module_forward":
         module = MODULES.setdefault(backend, ropekit.RotaryEmbedding(D, backend=backend, max_cached_positions=MAX_LEN))
         return (lambda: module(q, k, offset=offset, inplace=flag)), [q, k]
+    if entry.startswith("fp8"):
+        return build_fp8(entry == "fp8_paged", variant, dtype, backend, seed, k, randn, cos, sin)
     cache_dtype = torch.bfloat16 if variant == "dtype" else dtype  # float32 keys into bfloat16 caches
     key_in = k.to(dtype) if variant == "dtype" else k
     value = randn(*key_in.shape)
@@ -112,6 +116,60 @@ def build(entry: str, variant: str, dtype: torch.dtype, inplace: bool, backend: 
     c, s = c[:, None], s[:, None]
     return (lambda: ropekit.rotate_into_cache(key_p, value_p, c, s, k_cache, v_cache, slots, block_size=BLOCK,
                                               **opts)), [key_p, value_p, k_cache, v_cache]
+
+
+def _scale(kind: str, bad: float | None, seed: int):
+    """An FP8 scale of ``kind`` (``SCALE_KINDS``), with ``bad`` (0 or NaN) in one place when given."""
+    values = torch.tensor([0.5, 0.25], dtype=torch.float32)[:H] * (1 + seed)
+    if bad is not None:
+        values[seed % H] = bad
+    if kind == "per_head":
+        return values
+    if kind == "per_head_bf16":
+        return values.bfloat16()
+    if kind == "per_tensor":
+        return values[seed % H].clone().reshape(())
+    if kind == "float":
+        return float(values[seed % H])
+    return None if bad is None else float(bad)  # "none": 1.0, or a bad float
+
+
+def build_fp8(paged: bool, variant: str, dtype: torch.dtype, backend: str, seed: int, k, randn, cos, sin):
+    """``(call, inputs)`` of ``rotate_into_cache`` into FP8 caches (the other cache FP8 or of v's dtype).
+
+    The seed picks the kind of the scales and the caches' FP8 dtypes; ``scale_zero``/``scale_nan``
+    put 0 / NaN into one scale value, ``scale_kind`` passes the next kind of scale (per tensor
+    instead of per head, a float instead of a tensor, ...); ``dtype`` gives float64 keys; ``overlap``
+    a k_scale inside the k cache's memory; ``same_tensor`` k_scale for a cache that is not FP8.
+    """
+    kind = SCALE_KINDS[(seed + (variant == "scale_kind")) % len(SCALE_KINDS)]
+    bad = {"scale_zero": 0.0, "scale_nan": float("nan")}.get(variant)
+    k_fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)[seed % 2]
+    v_dtype = dtype if seed == 3 else (torch.float8_e5m2, torch.float8_e4m3fn)[seed % 2]
+    key_in = k.double() if variant == "dtype" else k
+    value = randn(*k.shape)
+    if paged:
+        tokens = B * S
+        key_in, value = key_in.transpose(1, 2).reshape(tokens, H, D), value.transpose(1, 2).reshape(tokens, H, D)
+        shape = (4, BLOCK, H, D)
+        slots = ropekit.slot_mapping(torch.tensor([[0, 1], [3, 2]]), torch.arange(S).repeat(B, 1) + 2, BLOCK)
+        cos, sin = _tables(torch.arange(S).repeat(B) + 2)
+        cos, sin = cos[:, None], sin[:, None]
+        opts = dict(backend=backend, block_size=BLOCK)
+    else:
+        shape, slots, opts = (B, H, MAX_LEN, D), 1 + seed % 2, dict(backend=backend)
+    k_cache = (randn(*shape, dt=torch.float32) * 4).to(k_fp8)
+    v_cache = (randn(*shape, dt=torch.float32) * 4).to(v_dtype)
+    k_scale = _scale(kind, bad, seed)
+    v_scale = _scale(SCALE_KINDS[(seed + 1) % len(SCALE_KINDS)], None, seed) if v_dtype != dtype else None
+    if variant == "overlap":
+        k_scale = k_cache.view(torch.uint8).view(-1)[:4 * H].view(torch.float32)
+        k_scale.view(torch.int32).fill_(0x3F000000)  # 0.5 each: a valid value, the cache's own bytes
+    elif variant == "same_tensor" and v_dtype == dtype:
+        v_scale = 1.0
+    return (lambda: ropekit.rotate_into_cache(key_in, value, cos, sin, k_cache, v_cache, slots, k_scale=k_scale,
+                                              v_scale=v_scale, **opts)), [
+        key_in, value, k_cache.view(torch.uint8), v_cache.view(torch.uint8) if v_dtype != dtype else v_cache]
 
 
 def outcome(step) -> tuple:
@@ -336,3 +394,63 @@ def test_a_size_one_axis_stride_is_no_part_of_a_contiguous_signature():
             got = ropekit.apply_rotary_qk(q.clone(), k.clone(), cos, sin, inplace=inplace)
             assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(got, expected, strict=True))
         assert len(prepared.calls) == 1
+
+
+def _fp8_call(backend):
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(B, H, 1, D, generator=gen), torch.randn(B, H, 1, D, generator=gen)
+    cos, sin = _tables(torch.tensor([3]))
+    k_cache = torch.zeros(B, H, MAX_LEN, D, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros(B, H, MAX_LEN, D, dtype=torch.float8_e5m2)
+    return lambda k_scale, v_scale: ropekit.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, 3, k_scale=k_scale,
+                                                              v_scale=v_scale, backend=backend), k_cache, v_cache
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_fp8_calls_are_prepared_and_a_bad_scale_is_refused_warm_as_cold(backend):
+    """FP8 calls take the prepared path; a scale that turns 0, NaN or inf there is refused as in a first call."""
+    call, k_cache, v_cache = _fp8_call(backend)
+    good = torch.tensor([0.5, 0.25])
+    messages = {}
+    for bad in (0.0, float("nan"), float("inf"), -1.0):
+        scale = good.clone()
+        scale[1] = bad
+        prepared.clear()
+        with pytest.raises(ValueError) as cold:
+            call(scale, 1.0)
+        messages[bad] = str(cold.value)
+    prepared.clear()
+    call(good, 1.0)
+    assert len(prepared.calls) == 1  # the FP8 signature is kept
+    before = (k_cache.view(torch.uint8).clone(), v_cache.view(torch.uint8).clone())
+    for bad, message in messages.items():
+        scale = good.clone()
+        scale[1] = bad
+        with pytest.raises(ValueError) as warm:
+            call(scale, 1.0)
+        assert str(warm.value) == message
+        assert torch.equal(k_cache.view(torch.uint8), before[0]) and torch.equal(v_cache.view(torch.uint8), before[1])
+    with pytest.raises(ValueError, match="v_scale must be finite and > 0"):
+        call(good, float("nan"))  # a float is part of the signature: NaN finds none, the checks refuse it
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_fp8_scale_kinds_each_have_their_signature(backend):
+    """Per tensor, per head, a float, None: a change of kind between warm calls writes what a first call writes."""
+    kinds = [torch.tensor(0.5), torch.tensor([0.5, 0.25]), 0.125, None, torch.tensor([0.5]), torch.tensor(
+        [0.5, 0.25], dtype=torch.bfloat16)]
+    written = []
+    for warm in (False, True):
+        prepared.clear()
+        out = []
+        for scale in kinds * 2:
+            if not warm:
+                prepared.clear()
+            call, k_cache, v_cache = _fp8_call(backend)
+            call(scale, scale)
+            out.append((k_cache.view(torch.uint8).clone(), v_cache.view(torch.uint8).clone()))
+        written.append(out)
+        if warm:
+            assert len(prepared.calls) == len(kinds)
+    for (kc, vc), (kw, vw) in zip(*written, strict=True):
+        assert torch.equal(kc, kw) and torch.equal(vc, vw)

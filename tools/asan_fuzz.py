@@ -8,16 +8,27 @@
 2. Runs the fuzzer in a child process with the compiler's ``libasan`` preloaded: ``--calls``
    seeded random calls of the ``torch.ops.ropekit_asan`` operators (apply_rotary, apply_rotary_,
    apply_rotary_qk, apply_rotary_qk_, the rms_norm_rotary forms and their backward, rotate_into_cache contiguous with
-   one start or per-row starts and paged, the rotate_offset forms (rows offset + t of full tables),
-   plan_rows) on random shapes, dtypes (float32, float64,
+   one start or per-row starts and paged, rotate_into_cache_scaled (FP8 caches), the rotate_offset
+   forms (rows offset + t of full tables), plan_rows) on random shapes, dtypes (float32, float64,
    bfloat16, float16), layouts, strides (permuted, sliced, channel-strided, empty) and tables that
    broadcast. Valid calls are compared with the float64 reference (:mod:`ropekit.ops.reference`;
    the norm and its gradient in float64 autograd); invalid ones (starts and slots out of the cache
    or near 2**63, tables of another batch, widths past head_dim, mismatched shapes, float slots,
    ...) must raise a Python exception and leave their outputs untouched, never be accepted.
    ``slot_mapping`` is fuzzed too (hostile block ids) against its formula.
-3. Prints one line (calls, valid, invalid, seconds, findings) and exits non-zero on any
-   AddressSanitizer report, crash, mismatch or accepted invalid call.
+   rotate_into_cache_scaled: float32, bfloat16 and float16 keys into float8_e4m3fn, float8_e5m2 or
+   plain caches (each its own), per-tensor and per-head scales from saturating to subnormal
+   entries, slots up to the cache's last one and padding, norm or not. The keys must lie in the
+   bracket of the float64 reference (``fp8(clamp(x / scale))`` of x = reference -+ 8 float32 ulps
+   at the pair's radius: the reference's own entry wherever no rounding boundary is that close;
+   the run fails if under 90% of the entries are pinned so), the values must be
+   ``fp8(clamp(v.float() / scale))`` bit for bit, nothing else may change. Refused: scales of 0,
+   NaN, inf, negative, of the wrong shape or dtype, missing or given for a plain cache, float64 or
+   FP8 inputs, caches of another dtype, too small or of another shape, k and v of different
+   shapes, and the slot misfits above.
+3. Prints one line (calls, valid, invalid, seconds, findings, FP8 entries and the share pinned to
+   one entry) and exits non-zero on any AddressSanitizer report, crash, mismatch or accepted
+   invalid call.
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ ASAN_FLAGS = ("-fsanitize=address", "-fno-omit-frame-pointer")
 NAMESPACE = "ropekit_asan"
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 TOLERANCE = {"float32": 2e-5, "float64": 2e-6, "bfloat16": 2e-2, "float16": 4e-3}  # float32 tables in all
+KEY_DTYPES = ("float32", "bfloat16", "float16")  # the inputs of FP8 caches
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}  # the largest finite values (saturation)
 
 
 # ---------------------------------------------------------------- parent: build, run the child
@@ -77,6 +90,13 @@ def parent(args) -> int:
 
 # ---------------------------------------------------------------- worker: the fuzzer itself
 
+def bits(t):
+    """A contiguous copy of ``t``'s bits as integers (FP8 and NaN compare by their bits)."""
+    import torch
+
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 class Invalid(Exception):
     """An invalid call the kernel accepted (or a refused one that changed its outputs)."""
 
@@ -92,6 +112,7 @@ class Fuzzer:
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.valid = self.invalid = 0
+        self.fp8_entries = self.fp8_exact = 0  # FP8 key entries checked, and those whose bracket is one entry
         self.kind = ""  # the last invalid argument made (in reports)
 
     # -- values and layouts
@@ -187,13 +208,13 @@ class Fuzzer:
 
     def refused(self, call, *outputs):
         """``call`` must raise, and leave ``outputs`` as they were."""
-        before = [t.clone() for t in outputs]
+        before = [bits(t) for t in outputs]
         try:
             call()
         except (RuntimeError, ValueError, TypeError, IndexError):
             for t, b in zip(outputs, before, strict=True):
-                if not self.torch.equal(t.nan_to_num(0.5), b.nan_to_num(0.5)):
-                    raise Invalid("a refused call changed its output") from None
+                if not self.torch.equal(bits(t), b):
+                    raise Invalid(f"a refused call changed its output ({self.kind})") from None
             self.invalid += 1
             return
         raise Invalid(f"an invalid call was accepted ({self.kind})")
@@ -313,6 +334,40 @@ class Fuzzer:
                        form)
         self.valid += 1
 
+    def geometry(self, paged, heads, head_dim, *, edge=False):
+        """A cache write's shapes and slots: ``(k_shape, cache_shape, block_size, slots, start, written, positions)``.
+
+        Paged: ``written`` is the slot of each token (-1: padding); contiguous: the first row each batch
+        row writes (one start, a ``()`` tensor or per-row starts). ``edge``: often a slot at the cache's end.
+        """
+        torch, rng = self.torch, self.rng
+        if paged:
+            block_size, blocks = rng.choice((1, 2, 4)), rng.randint(1, 4)
+            tokens = rng.randint(0, blocks * block_size)
+            k_shape, cache_shape = [tokens, heads, head_dim], [blocks, block_size, heads, head_dim]
+            slot_list = rng.sample(range(blocks * block_size), tokens)
+            if edge and tokens and blocks * block_size - 1 not in slot_list and rng.random() < 0.5:
+                slot_list[rng.randrange(tokens)] = blocks * block_size - 1  # the last slot of the last block
+            slot_list = [s if rng.random() < 0.85 else -1 for s in slot_list]
+            slots, start = torch.tensor(slot_list, dtype=rng.choice((torch.int64, torch.int32))), 0
+            positions = torch.randint(0, 4096, [tokens, 1], generator=self.gen)
+            return k_shape, cache_shape, block_size, slots, start, slot_list, positions
+        block_size, batch, seq, length = 0, rng.randint(1, 4), rng.randint(0, 3), rng.randint(3, 6)
+        k_shape, cache_shape = [batch, heads, seq, head_dim], [batch, heads, length, head_dim]
+        starts = [rng.randint(0, length - seq) for _ in range(batch)]
+        if edge and rng.random() < 0.5:
+            starts[rng.randrange(batch)] = length - seq  # rows up to the cache's last one
+        choice = rng.random()
+        if choice < 0.3:
+            slots, start, starts = None, starts[0], [starts[0]] * batch
+        elif choice < 0.5:
+            slots, starts = torch.tensor(starts[0]), [starts[0]] * batch
+            start = 0
+        else:
+            slots, start = torch.tensor(starts, dtype=rng.choice((torch.int64, torch.int32))), 0
+        positions = torch.randint(0, 4096, [batch if rng.random() < 0.5 else 1, 1, seq, 1], generator=self.gen)[..., 0]
+        return k_shape, cache_shape, block_size, slots, start, starts, positions
+
     def case_cache(self):
         """rotate_into_cache: contiguous (one start, per-row starts) and paged, keys normalised or not."""
         torch, rng = self.torch, self.rng
@@ -322,28 +377,9 @@ class Fuzzer:
         heads = rng.randint(1, 3)
         normalise = rng.random() < 0.3
         per_token = normalise and rng.random() < 0.5
-        if paged:
-            block_size, blocks = rng.choice((1, 2, 4)), rng.randint(1, 4)
-            tokens = rng.randint(0, blocks * block_size)
-            k_shape, cache_shape = [tokens, heads, head_dim], [blocks, block_size, heads, head_dim]
-            slot_list = rng.sample(range(blocks * block_size), tokens)
-            slot_list = [s if rng.random() < 0.85 else -1 for s in slot_list]
-            slots, start = torch.tensor(slot_list, dtype=rng.choice((torch.int64, torch.int32))), 0
-            positions = torch.randint(0, 4096, [tokens, 1], generator=self.gen)
-        else:
-            block_size, batch, seq, length = 0, rng.randint(1, 4), rng.randint(0, 3), rng.randint(3, 6)
-            k_shape, cache_shape = [batch, heads, seq, head_dim], [batch, heads, length, head_dim]
-            starts = [rng.randint(0, length - seq) for _ in range(batch)]
-            choice = rng.random()
-            if choice < 0.3:
-                slots, start, starts = None, starts[0], [starts[0]] * batch
-            elif choice < 0.5:
-                slots, starts = torch.tensor(starts[0]), [starts[0]] * batch
-                start = 0
-            else:
-                slots, start = torch.tensor(starts, dtype=rng.choice((torch.int64, torch.int32))), 0
-            positions = torch.randint(0, 4096, [batch if rng.random() < 0.5 else 1, 1, seq, 1],
-                                      generator=self.gen)[..., 0]
+        k_shape, cache_shape, block_size, slots, start, written, positions = self.geometry(paged, heads, head_dim)
+        slot_list = starts = written
+        seq = 0 if paged else k_shape[2]
         k, v = self.strided(k_shape, dtype), self.strided(k_shape, dtype)
         k_cache = self.strided(cache_shape, dtype, channels=rng.random() < 0.3)
         v_cache = self.strided(cache_shape, dtype, channels=rng.random() < 0.3)
@@ -387,9 +423,13 @@ class Fuzzer:
             raise AssertionError("rotate_into_cache: the values are not copied bit for bit into their slots")
         self.valid += 1
 
-    def bad_cache(self, call, paged, k_shape, cache_shape, h):
-        """``call`` made invalid (slots out of the cache or near 2**63, tables of another batch, ...)."""
+    def bad_cache(self, call, paged, k_shape, cache_shape, h, op=None):
+        """``call`` of ``op`` (rotate_into_cache by default) made invalid: slots out of the cache, tables misfit, ...
+
+        Slots out of the cache or near 2**63, tables of another batch, a block size that is not the cache's.
+        """
         torch, rng = self.torch, self.rng
+        op = op or self.ops.rotate_into_cache
         call = list(call)
         big = rng.choice((2**63 - 1, 2**62, 2**63 - 2))
         if paged:
@@ -435,7 +475,202 @@ class Fuzzer:
                 other = batch + 1 if batch < 2 else batch // 2 if batch % 2 == 0 and batch > 2 else batch + 1
                 call[2] = torch.zeros(other, 1, seq, h)
                 call[3] = torch.zeros(other, 1, seq, h)
-        self.refused(lambda: self.ops.rotate_into_cache(*call), call[4], call[5])
+        self.refused(lambda: op(*call), call[4], call[5])
+
+    # -- FP8 caches: rotate_into_cache_scaled
+    def scale(self, heads):
+        """A valid float32 ``(heads,)`` scale: per tensor (one value, a stride-0 view), per head, or a strided view."""
+        torch, rng = self.torch, self.rng
+        values = [2.0 ** rng.uniform(-14, 4) for _ in range(heads)]  # saturating ... subnormal entries
+        kind = rng.choice(("tensor", "head", "strided"))
+        if kind == "tensor":
+            return torch.tensor([values[0]], dtype=torch.float32).expand(heads)
+        if kind == "head":
+            return torch.tensor(values, dtype=torch.float32)
+        return torch.tensor([v for value in values for v in (value, -1.0)], dtype=torch.float32)[::2]
+
+    @staticmethod
+    def entry(x64, cache_dtype, s64):
+        """The cache entry (as float64) of float64 ``x64``: ``fp8(clamp(x / s, -max, max))``, or x in the dtype."""
+        import torch
+
+        dtype = getattr(torch, cache_dtype)
+        if cache_dtype in FP8_MAX:
+            return (x64 / s64).clamp(-FP8_MAX[cache_dtype], FP8_MAX[cache_dtype]).to(dtype).to(torch.float64)
+        return x64.to(dtype).to(torch.float64)
+
+    def float32_bound(self, y64, h, interleaved):
+        """8 float32 ulps at each element's pair radius (its own magnitude on the tail) of the exact keys ``y64``.
+
+        Room for the float32 tables' and the kernel's own rounding, and the quotient's float32 rounding.
+        """
+        torch = self.torch
+        r = y64.abs()
+        if h:
+            first = torch.arange(0, 2 * h, 2) if interleaved else torch.arange(h)
+            second = first + 1 if interleaved else first + h
+            radius = torch.hypot(y64[..., first], y64[..., second])
+            r = r.clone()
+            r[..., first], r[..., second] = radius, radius
+        exponent = torch.floor(torch.log2(r.clamp_min(1e-300))).clamp_min(-126)
+        return 8 * torch.exp2(exponent - 23)
+
+    def case_cache_scaled(self):
+        """rotate_into_cache_scaled into FP8 (float8_e4m3fn, float8_e5m2) and plain caches, or refusing.
+
+        Per-tensor and per-head scales, contiguous and paged, keys normalised or not. The keys must lie in
+        the bracket of the float64 reference (one rounding from a float32 within 8 ulps of it: the very
+        entry of the reference's wherever no rounding boundary is that close); the values are
+        ``fp8(clamp(v.float() / v_scale))`` (or v) bit for bit; nothing else changes.
+        """
+        torch, rng = self.torch, self.rng
+        dtype, (head_dim, h) = rng.choice(KEY_DTYPES), self.head()
+        interleaved = rng.random() < 0.5
+        paged = rng.random() < 0.5
+        heads = rng.randint(1, 3)
+        normalise = rng.random() < 0.3
+        per_token = normalise and rng.random() < 0.5
+        cache_dtypes = [rng.choice(("float8_e4m3fn", "float8_e5m2", "float8_e4m3fn", "float8_e5m2", dtype))
+                        for _ in range(2)]
+        k_shape, cache_shape, block_size, slots, start, written, positions = self.geometry(paged, heads, head_dim,
+                                                                                           edge=True)
+        k, v = self.strided(k_shape, dtype), self.strided(k_shape, dtype)
+        k_cache = self.strided(cache_shape, cache_dtypes[0], channels=rng.random() < 0.3)
+        v_cache = self.strided(cache_shape, cache_dtypes[1], channels=rng.random() < 0.3)
+        scales = [self.scale(heads) if c in FP8_MAX else None for c in cache_dtypes]
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(h, dtype=torch.float64) / max(h, 1)))
+        import ropekit
+
+        cos, sin = ropekit.cos_sin(positions, inv_freq)
+        cos, sin = cos.reshape(*positions.shape, h), sin.reshape(*positions.shape, h)
+        weight_shape = [heads, head_dim] if per_token else [head_dim]
+        weight = self.values(weight_shape, "float32") if normalise and rng.random() < 0.7 else None
+        eps = 1e-5 if normalise else None
+        offset = 1.0 if weight is not None and rng.random() < 0.5 else 0.0
+        call = [k, v, cos, sin, k_cache, v_cache, slots, start, weight, eps, offset, per_token, block_size,
+                interleaved, *scales]
+        if rng.random() < 0.35:
+            self.bad_scaled(call, paged, k_shape, cache_shape, h, cache_dtypes)
+            return
+        k_in, v_in = bits(k), bits(v)
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        self.ops.rotate_into_cache_scaled(*call)
+        if not (torch.equal(bits(k), k_in) and torch.equal(bits(v), v_in)):
+            raise AssertionError("rotate_into_cache_scaled changed k or v")
+        # where the call writes: cache index -> k index, per batch row (contiguous) or token (paged)
+        if paged:
+            places = [((s // block_size, s % block_size), t) for t, s in enumerate(written) if s >= 0]
+        else:
+            places = [((b, slice(None), slice(first, first + k_shape[2])), b) for b, first in enumerate(written)]
+        s64 = [None if s is None else s.to(torch.float64).reshape([-1] + [1] * (len(k_shape) - 2)) for s in scales]
+        # the keys: in the bracket of the float64 reference, one rounding from x in [y64 - tol, y64 + tol]
+        k64 = k.to(torch.float64)
+        if normalise:
+            axes = k64 if paged else k64.transpose(1, 2)
+            w64 = None if weight is None else weight.to(torch.float64)
+            k64 = self.normed(axes, w64, eps, offset, per_token)
+            k64 = k64 if paged else k64.transpose(1, 2)
+        y64 = self.rotated(k64, positions, inv_freq, list(k_shape[:-1]), h, interleaved, False)
+        tol = self.float32_bound(y64, h, interleaved)
+        low = self.entry(y64 - tol, cache_dtypes[0], s64[0])
+        high = self.entry(y64 + tol, cache_dtypes[0], s64[0])
+        got = k_cache.to(torch.float64)
+        untouched = torch.ones(cache_shape, dtype=torch.bool)
+        for where, i in places:
+            if not bool(((got[where] >= low[i]) & (got[where] <= high[i])).all()):
+                bad = ~((got[where] >= low[i]) & (got[where] <= high[i]))
+                raise AssertionError(f"rotate_into_cache_scaled keys into {cache_dtypes[0]} ({dtype} keys): "
+                                     f"{got[where][bad][0].item()!r} outside the one-rounding bracket "
+                                     f"[{low[i][bad][0].item()!r}, {high[i][bad][0].item()!r}] of the float64 "
+                                     f"reference")
+            untouched[where] = False
+            if cache_dtypes[0] in FP8_MAX:
+                self.fp8_entries += low[i].numel()
+                self.fp8_exact += int((low[i] == high[i]).sum())
+        if not torch.equal(bits(k_cache)[untouched], bits(k_before)[untouched]):
+            raise AssertionError("rotate_into_cache_scaled wrote keys outside their slots")
+        # the values: fp8(clamp(v.float() / v_scale)) in float32 torch ops, or v itself, bit for bit
+        if cache_dtypes[1] in FP8_MAX:
+            limit = FP8_MAX[cache_dtypes[1]]
+            v_scale = scales[1].reshape([-1] + [1] * (len(k_shape) - 2))  # along the heads axis
+            want_v = (v.to(torch.float32) / v_scale).clamp(-limit, limit).to(getattr(torch, cache_dtypes[1]))
+        else:
+            want_v = v
+        expect_v = bits(v_before)
+        for where, i in places:
+            expect_v[where] = bits(want_v[i])
+        if not torch.equal(bits(v_cache), expect_v):
+            raise AssertionError(f"rotate_into_cache_scaled values into {cache_dtypes[1]} ({dtype} values): not "
+                                 f"the one rounding of v / v_scale in their slots, or other entries changed")
+        self.valid += 1
+
+    def bad_scaled(self, call, paged, k_shape, cache_shape, h, cache_dtypes):
+        """A rotate_into_cache_scaled call made invalid: bad scales, dtypes or shapes, or (bad_cache) slots."""
+        torch, rng = self.torch, self.rng
+        op = self.ops.rotate_into_cache_scaled
+        kind = rng.choice(("slots", "slots", "scale", "scale", "missing", "plain", "scale_shape", "scale_dtype",
+                           "input_dtype", "cache_dtype", "float64", "shape", "small"))
+        if kind == "slots":  # slots past the end or negative (not padding), huge, tables of another batch ...
+            self.bad_cache(call, paged, k_shape, cache_shape, h, op=op)
+            self.kind = "scaled " + self.kind
+            return
+        self.kind = f"scaled {kind}"
+        call = list(call)
+        heads = k_shape[-2] if paged else k_shape[1]
+        which = rng.randrange(2)  # the k (0) or v (1) side
+        cache_at, scale_at = 4 + which, 14 + which
+        fp8 = [c in FP8_MAX for c in cache_dtypes]
+        if kind in ("scale", "missing", "scale_shape", "scale_dtype") and not fp8[which]:
+            call[cache_at] = self.values(cache_shape, "float8_e4m3fn")  # an FP8 cache: these kinds need one
+            call[scale_at] = self.scale(heads)
+        if kind == "scale":  # a value of 0, NaN, inf or negative (one head's, or a view's)
+            scale = call[scale_at].clone()
+            scale[rng.randrange(heads)] = rng.choice((0.0, -0.0, float("nan"), float("inf"), -float("inf"), -1.0,
+                                                      -(2.0**-20)))
+            call[scale_at] = scale
+        elif kind == "missing":
+            call[scale_at] = None
+        elif kind == "plain":  # a scale for a cache that is not FP8 (in the input's dtype)
+            call[cache_at] = self.strided(cache_shape, str(call[which].dtype).removeprefix("torch."))
+            call[scale_at] = self.scale(heads)
+        elif kind == "scale_shape":
+            call[scale_at] = rng.choice((torch.ones(heads + 1), torch.ones(heads, 1), torch.ones(1, heads),
+                                         torch.tensor(1.0), torch.ones(0), torch.ones(2 * heads + 2)))
+        elif kind == "scale_dtype":
+            call[scale_at] = torch.ones(heads, dtype=rng.choice((torch.float64, torch.bfloat16, torch.float16,
+                                                                 torch.int32, torch.int64)))
+        elif kind == "input_dtype":  # float64 or FP8 keys/values into an FP8 cache
+            bad = rng.choice(("float64", "float8_e4m3fn"))
+            call[0], call[1] = self.values(k_shape, bad), self.values(k_shape, bad)
+            call[4] = self.values(cache_shape, "float8_e5m2")
+            call[14] = self.scale(heads)
+        elif kind == "cache_dtype":  # a plain cache of another dtype than its input's
+            other = rng.choice([d for d in ("float32", "bfloat16", "float16", "float64", "int32")
+                                if getattr(torch, d) != call[which].dtype])
+            call[cache_at], call[scale_at] = self.values(cache_shape, other), None
+        elif kind == "float64":  # float64 into a float64 cache beside an FP8 one (the kernel stores from float32)
+            call[which], call[cache_at], call[scale_at] = (self.values(k_shape, "float64"),
+                                                           self.values(cache_shape, "float64"), None)
+            call[5 - which], call[15 - which] = self.values(cache_shape, "float8_e4m3fn"), self.scale(heads)
+        elif kind == "shape":  # v of another shape than k
+            v_shape = list(k_shape)
+            v_shape[rng.randrange(len(v_shape))] += 1
+            call[1] = self.values(v_shape, str(call[1].dtype).removeprefix("torch."))
+        else:  # caches too small (fewer rows or heads, narrower) or of different shapes
+            small = list(cache_shape)
+            axis = rng.choice((1, 2, 3)) if paged else rng.choice((0, 1, 2, 3))
+            if not paged and axis == 2:
+                small[2] = max(k_shape[2] - 1, 0)  # shorter than the new tokens
+                if k_shape[2] == 0:
+                    small[3] += 1
+            else:
+                small[axis] = small[axis] - 1 if small[axis] > 1 else small[axis] + 1
+            if paged and axis == 1:
+                small[3] += 1  # also another width: a smaller block alone only moves the slots' bound
+            targets = (4, 5) if rng.random() < 0.5 else (4 + which,)
+            for at in targets:
+                call[at] = self.values(small, str(call[at].dtype).removeprefix("torch."))
+        self.refused(lambda: op(*call), call[4], call[5])
 
     def case_offset(self):
         """rotate_offset, rotate_offset_, rotate_qk_offset, rotate_qk_offset_: rows offset + t of full tables."""
@@ -552,8 +787,8 @@ class Fuzzer:
     def run(self, calls: int) -> list[str]:
         """Make ``calls`` calls; the findings, one line each."""
         cases = (self.case_apply_rotary, self.case_apply_rotary, self.case_norm, self.case_norm, self.case_cache,
-                 self.case_cache, self.case_cache, self.case_offset, self.case_offset, self.case_plan_rows,
-                 self.case_slot_mapping)
+                 self.case_cache, self.case_cache_scaled, self.case_cache_scaled, self.case_offset, self.case_offset,
+                 self.case_plan_rows, self.case_slot_mapping)
         failures = []
         for i in range(calls):
             case = self.rng.choice(cases)
@@ -565,6 +800,9 @@ class Fuzzer:
             except Exception as exc:  # noqa: BLE001 - a valid call must not raise
                 failures.append(f"call {i} ({case.__name__}): a valid call raised {type(exc).__name__}: "
                                 f"{str(exc)[:300]}")
+        if self.fp8_entries >= 1000 and self.fp8_exact < 0.9 * self.fp8_entries:
+            failures.append(f"the FP8 brackets are too wide to test anything: {self.fp8_exact} of "
+                            f"{self.fp8_entries} entries pinned to one value")
         return failures
 
 
@@ -580,8 +818,10 @@ def worker(args) -> int:
     failures = fuzzer.run(args.calls)
     for line in failures[:20]:
         print(line, file=sys.stderr)
+    exact = f"{100 * fuzzer.fp8_exact / fuzzer.fp8_entries:.1f}%" if fuzzer.fp8_entries else "none"
     print(f"{args.calls} calls (seed {args.seed}): {fuzzer.valid} valid checked against the float64 reference, "
-          f"{fuzzer.invalid} invalid refused, {len(failures)} findings in {time.monotonic() - start:.1f} s")
+          f"{fuzzer.invalid} invalid refused, {len(failures)} findings in {time.monotonic() - start:.1f} s "
+          f"(FP8 key entries {fuzzer.fp8_entries}, one-entry brackets {exact})")
     return 1 if failures else 0
 
 

@@ -39,6 +39,7 @@ _EXPORTS = {
     "rms_norm_rotary_qk": "fused.norm",
     "rotate_into_cache": "fused.cache",
     "slot_mapping": "fused.cache",
+    "dequantize_cache": "fused.cache_scales",
     "rerotate_cache": "fused.rerotate",
     "context_shift": "fused.rerotate",
     "channel_permutation": "rope.layouts",
@@ -66,6 +67,7 @@ __all__ = [  # the keys of _EXPORTS and _SUBMODULES (a test keeps them equal)
     "context_shift",
     "convert_layout",
     "cos_sin",
+    "dequantize_cache",
     "detect_layout",
     "distributed",
     "integrations",
@@ -94,6 +96,7 @@ if TYPE_CHECKING:  # what static analysers and IDEs see; at run time the names a
     from .config.schedules import LayerSchedule
     from .functional import apply_rotary, apply_rotary_qk, rotate, rotate_qk
     from .fused import rms_norm_rotary, rms_norm_rotary_qk, rotate_into_cache, slot_mapping
+    from .fused.cache_scales import dequantize_cache
     from .fused.rerotate import context_shift, rerotate_cache
     from .nn.rotary import RotaryEmbedding
     from .ops.reference import apply_reference, rotation_matrix

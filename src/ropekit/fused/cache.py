@@ -12,6 +12,9 @@ FlashInfer's fused writes do the same on GPUs). Two cache layouts:
 - **paged** (vLLM's blocks): ``k_cache``, ``v_cache`` of shape ``(num_blocks, block_size,
   kv_heads, head_dim)``; token ``t`` goes to slot ``slots[t]`` (block ``slots[t] // block_size``,
   row ``slots[t] % block_size``), :func:`slot_mapping` computes them from a block table.
+
+Either cache may be FP8 (``float8_e4m3fn`` or ``float8_e5m2``) with a scale, vLLM's
+``k_scale``/``v_scale`` (:mod:`.cache_scales`); :func:`dequantize_cache` reads one back.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import Tensor
 from ..ops import operators_fused, prepared, prepared_keys
 from ..ops.dispatch import check_runs, resolve
 from ..ops.dispatch import get as get_backend
+from ..ops.fp8 import is_fp8
 from ..ops.memory import check_not_shared
 from ..validation import (
     check_finite_float,
@@ -32,6 +36,7 @@ from ..validation import (
     check_positive_float,
     check_tables,
 )
+from .cache_scales import check_scale, scaled_call
 
 _INT64_END = 2**63  # slots are int64: every slot is below this
 
@@ -93,9 +98,14 @@ def _check_caches(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, block_
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
-        raise ValueError(f"the caches must have the dtypes of k and v: k {k.dtype} into k_cache {k_cache.dtype}, "
-                         f"v {v.dtype} into v_cache {v_cache.dtype}")
+    for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if is_fp8(cache.dtype):
+            if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"an FP8 {name}_cache takes {name} of dtype float32, bfloat16 or float16 (computed in "
+                                 f"float32, rounded once to FP8), got {name} {x.dtype}")
+        elif x.dtype != cache.dtype:
+            raise ValueError(f"the caches must have the dtypes of k and v (or be FP8: float8_e4m3fn, float8_e5m2): "
+                             f"k {k.dtype} into k_cache {k_cache.dtype}, v {v.dtype} into v_cache {v_cache.dtype}")
     for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.device != k.device:
             raise ValueError(f"{name} is on {t.device} but k is on {k.device}")
@@ -131,6 +141,8 @@ def rotate_into_cache(
     weight_offset: float = 0.0,
     block_size: int | None = None,
     backend: str = "auto",
+    k_scale: float | Tensor | None = None,
+    v_scale: float | Tensor | None = None,
 ) -> None:
     """Write the rotated keys and the values of new tokens into their cache slots, in one pass.
 
@@ -140,9 +152,10 @@ def rotate_into_cache(
         cos, sin: the new tokens' half-width tables, broadcast against k as for
             :func:`ropekit.apply_rotary` (e.g. ``(batch, 1, seq, rotary_dim // 2)``, or
             ``(tokens, 1, rotary_dim // 2)`` paged).
-        k_cache, v_cache: the caches, written in place (dtypes of k and v):
-            ``(batch, kv_heads, max_length, head_dim)``, or paged ``(num_blocks, block_size,
-            kv_heads, head_dim)``.
+        k_cache, v_cache: the caches, written in place (dtypes of k and v, or FP8:
+            ``float8_e4m3fn`` / ``float8_e5m2``, each cache on its own, e.g. FP8 keys beside
+            bfloat16 values): ``(batch, kv_heads, max_length, head_dim)``, or paged
+            ``(num_blocks, block_size, kv_heads, head_dim)``.
         slots: contiguous: the position in the cache of each row's first new token, an int (every
             row) or an integer ``()``/``(batch,)`` tensor; paged: the slot of each token, an
             integer ``(tokens,)`` tensor (negative: padding, not written).
@@ -152,19 +165,41 @@ def rotate_into_cache(
             then means gains of 1). ``norm="per_token"`` spans the kv_heads axis.
         block_size: None for the contiguous layout, the caches' block size for the paged one.
         backend: ``"auto"`` or a name from :func:`ropekit.ops.available`.
+        k_scale, v_scale: the scales of FP8 caches (vLLM's ``k_scale``/``v_scale``): a float, a
+            ``()``/``(1,)`` tensor (per tensor) or a ``(kv_heads,)`` tensor (per head), on the
+            caches' device, converted to float32; None means 1.0. Only for an FP8 cache.
+
+    FP8 caches hold vLLM's ``fp8(clamp(x / scale, -max, max))`` (``reshape_and_cache_flash``,
+    whose conversion ``scaled_vec_conversion`` in ``csrc/quantization/fp8/nvidia/quant_utils.cuh``
+    divides by the scale and saturates to the largest finite value: 448 for e4m3fn, 57344 for
+    e5m2; NaN stays NaN), where ``x`` is the rotated (normalised) key in float32, or the value
+    converted exactly to float32: one rounding, from float32 straight to FP8, never through k's
+    dtype (vLLM's own path rotates into k's dtype first, then quantises: two roundings).
+    :func:`dequantize_cache` reads such a cache back (``float(q) * scale``).
 
     Raises:
-        ValueError: shapes or dtypes that do not fit, or slots outside the cache (checked before
-            anything is written; on CUDA this reads the slots back).
+        ValueError: shapes or dtypes that do not fit, slots outside the cache, or an FP8 scale
+            given for a cache that is not FP8, of the wrong shape or device, or not finite and > 0
+            (all checked before anything is written; on CUDA this reads the slots and the scale
+            tensors back).
+        TypeError: a scale that is not a number or a floating tensor.
 
     No autograd (a cache write): k and v must not require grad while grad is enabled.
     """
-    key, run = prepared_keys.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight, eps, norm,
-                                               weight_offset, block_size, backend)  # the layout as given
+    scaled = k_scale is not None or v_scale is not None or is_fp8(getattr(k_cache, "dtype", None)) or is_fp8(
+        getattr(v_cache, "dtype", None))
+    key, run = prepared_keys.rotate_into_cache(
+        k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight, eps, norm, weight_offset, block_size, backend,
+        k_scale, v_scale)  # the layout as given
     if run is not None:
         slots_int = type(slots) is int
-        try:  # the kernels check the slots' values (inside the caches) on every call, before writing
-            run(k, v, cos, sin, k_cache, v_cache, None if slots_int else slots, slots if slots_int else 0, k_weight)
+        try:  # the kernels check the slots' values (inside the caches), and the scales', on every call, before writing
+            if scaled:
+                run(k, v, cos, sin, k_cache, v_cache, None if slots_int else slots, slots if slots_int else 0,
+                    k_weight, k_scale, v_scale)
+            else:
+                run(k, v, cos, sin, k_cache, v_cache, None if slots_int else slots, slots if slots_int else 0,
+                    k_weight)
             return
         except (RuntimeError, ValueError, TypeError):
             pass  # the checks below raise what a first call raises (or this call raises the kernel's error again)
@@ -183,8 +218,13 @@ def rotate_into_cache(
     if k_weight is None and weight_offset != 0.0:
         raise ValueError(f"k_weight is None but weight_offset={weight_offset!r} is not 0")
     check_tables(k, cos, sin)
+    heads = k.shape[-2] if paged_block else k.shape[1]
+    k_scales = check_scale(k_scale, "k_scale", k_cache, "k_cache", heads)
+    v_scales = check_scale(v_scale, "v_scale", v_cache, "v_cache", heads)
     check_not_shared({"k_cache": k_cache, "v_cache": v_cache},
-                     {"k": k, "v": v, "cos": cos, "sin": sin, "slots": slots, "k_weight": k_weight},
+                     {"k": k, "v": v, "cos": cos, "sin": sin, "slots": slots, "k_weight": k_weight,
+                      "k_scale": k_scale if isinstance(k_scale, Tensor) else None,
+                      "v_scale": v_scale if isinstance(v_scale, Tensor) else None},
                      "rotate_into_cache")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (k, v, cos, sin)):
         raise ValueError("rotate_into_cache writes a cache and has no autograd: call it under torch.no_grad() (or "
@@ -194,11 +234,22 @@ def rotate_into_cache(
     kernel = get_backend(name)
     call = dict(k_weight=k_weight, eps=eps, weight_offset=weight_offset, per_token=per_token, block_size=paged_block,
                 layout=layout)
+    if scaled:
+        if operators_fused.direct(k, v, cos, sin, k_cache, v_cache):
+            options = {n: value for n, value in call.items() if n != "k_weight"}
+            write = kernel.prepared_scaled_cache_write(
+                k_weight_given=k_weight is not None,
+                like=(k, v, cos, sin, k_cache, v_cache, slot_tensor, k_weight, k_scales, v_scales), **options)
+            prepared.keep(key, scaled_call(write, k_scale, k_scales, v_scale, v_scales, heads),
+                          (k_cache, v_cache, k, v, cos, sin, slots, k_weight, k_scale, v_scale))
+        operators_fused.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slot_tensor, start, backend=name,
+                                          k_scale=k_scales, v_scale=v_scales, **call)
+        return
     if operators_fused.direct(k, v, cos, sin, k_cache, v_cache):
         write = kernel.prepared_cache_write(
             k_weight_given=k_weight is not None, like=(k, v, cos, sin, k_cache, v_cache, slot_tensor, k_weight),
             **{n: value for n, value in call.items() if n != "k_weight"})
-        prepared.keep(key, write, (k_cache, v_cache, k, v, cos, sin, slots, k_weight))
+        prepared.keep(key, write, (k_cache, v_cache, k, v, cos, sin, slots, k_weight, None, None))
     operators_fused.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slot_tensor, start, backend=name, **call)
 
 

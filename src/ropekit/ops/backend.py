@@ -133,7 +133,8 @@ class Backend:
 
     def rotate_into_cache(self, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                           slots: Tensor | None, start: int, *, k_weight: Tensor | None, eps: float | None,
-                          weight_offset: float, per_token: bool, block_size: int, layout: str) -> None:
+                          weight_offset: float, per_token: bool, block_size: int, layout: str,
+                          k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
         """Write rotated keys (normalised first when ``eps`` is given) and the values into cache slots.
 
         Contiguous layout (``block_size == 0``): k, v ``(batch, kv_heads, seq, head_dim)`` go to
@@ -142,7 +143,18 @@ class Backend:
         ``(tokens, kv_heads, head_dim)``, caches ``(blocks, block_size, kv_heads, head_dim)``,
         token ``t`` at slot ``slots[t]``, skipped when negative. Slots outside the caches raise
         ValueError before anything is written. Default: rotate, then copy with indexing ops.
+
+        FP8 caches (``float8_e4m3fn``, ``float8_e5m2``; the other cache may keep its input's dtype)
+        come with float32 ``k_scale``/``v_scale`` of shape ``(kv_heads,)`` (a per-tensor scale
+        expanded), and hold ``fp8(clamp(x / scale, -max, max))`` of the float32 rotated keys
+        (values) (:mod:`ropekit.ops.fp8`). They are passed only for FP8 caches, so an override
+        written before them keeps working for the other caches.
         """
+        if k_scale is not None or v_scale is not None:
+            fused_eager.rotate_scaled(self, k, v, cos, sin, k_cache, v_cache, slots, start, k_scale=k_scale,
+                                      v_scale=v_scale, k_weight=k_weight, eps=eps, weight_offset=weight_offset,
+                                      per_token=per_token, block_size=block_size, layout=layout)
+            return
         k_rot = fused_eager.rotate_keys(self, k, cos, sin, k_weight=k_weight, eps=eps, weight_offset=weight_offset,
                                         per_token=per_token, block_size=block_size, layout=layout)
         fused_eager.write_slots(k_rot, v, k_cache, v_cache, slots, start, block_size)
@@ -161,6 +173,26 @@ class Backend:
             self.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight, eps=eps,
                                    weight_offset=weight_offset, per_token=per_token, block_size=block_size,
                                    layout=layout)
+
+        return run
+
+    def prepared_scaled_cache_write(self, *, k_weight_given: bool, eps: float | None, weight_offset: float,
+                                    per_token: bool, block_size: int, layout: str, like: tuple = ()):
+        """:meth:`prepared_cache_write` for FP8 caches; the call also takes ``k_scale, v_scale`` (last).
+
+        ``like`` ends with the float32 ``(kv_heads,)`` scales (None for a cache that is not FP8), as
+        :meth:`rotate_into_cache` takes them. The scales' values differ from call to call: the
+        call checks them (finite and > 0) before writing anything, and raises ValueError otherwise
+        (this default with one reduction per scale; a backend whose kernel checks them may return
+        a leaner call).
+        """
+        def run(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, k_scale, v_scale):
+            for scale in (k_scale, v_scale):
+                if scale is not None and not bool(torch.all(torch.isfinite(scale) & (scale > 0))):
+                    raise ValueError("an FP8 scale must be finite and > 0")
+            self.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight, eps=eps,
+                                   weight_offset=weight_offset, per_token=per_token, block_size=block_size,
+                                   layout=layout, k_scale=k_scale, v_scale=v_scale)
 
         return run
 

@@ -28,6 +28,7 @@ import torch
 from . import build
 from .backend import Backend
 from .eager import EagerBackend
+from .fp8 import is_fp8
 
 KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -87,8 +88,10 @@ class CppBackend(Backend):
         return x.dtype in KERNEL_DTYPES and x.is_cpu and x.layout is torch.strided
 
     def cannot_run(self, x: torch.Tensor) -> str | None:
-        """See :class:`ropekit.ops.Backend`: strided CPU tensors of a kernel dtype."""
-        return None if self.takes(x) else "strided CPU tensors of dtype float32, float64, bfloat16 or float16"
+        """See :class:`ropekit.ops.Backend`: strided CPU tensors of a kernel dtype (FP8: the caches it writes)."""
+        if self.takes(x) or (is_fp8(x.dtype) and x.is_cpu and x.layout is torch.strided):
+            return None
+        return "strided CPU tensors of dtype float32, float64, bfloat16 or float16 (FP8 caches too)"
 
     def apply_rotary(self, x, cos, sin, *, layout, conjugate, inplace):
         """See :class:`ropekit.ops.Backend`."""
@@ -191,8 +194,20 @@ class CppBackend(Backend):
         return grad_x, (None if weight is None else grad_w)
 
     def rotate_into_cache(self, k, v, cos, sin, k_cache, v_cache, slots, start, *, k_weight, eps, weight_offset,
-                          per_token, block_size, layout):
-        """See :class:`ropekit.ops.Backend`."""
+                          per_token, block_size, layout, k_scale=None, v_scale=None):
+        """See :class:`ropekit.ops.Backend`; FP8 caches (with their scales) go to ``rotate_into_cache_scaled``."""
+        if k_scale is not None or v_scale is not None:
+            takes = self._takes_all(k, cos, sin, slots, k_weight, k_scale, k_cache) and self._takes_all(v, v_scale,
+                                                                                                         v_cache)
+            if not takes or torch.float64 in (k.dtype, v.dtype):  # the kernel stores from float32: float64 stays eager
+                return super().rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight,
+                                                 eps=eps, weight_offset=weight_offset, per_token=per_token,
+                                                 block_size=block_size, layout=layout, k_scale=k_scale,
+                                                 v_scale=v_scale)
+            self.module.rotate_into_cache_scaled(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, eps,
+                                                 weight_offset, per_token, block_size, layout == "interleaved",
+                                                 k_scale, v_scale)
+            return None
         if not (self._takes_all(k_cache, k, cos, sin, slots, k_weight) and self._takes_all(v_cache, v)):
             return super().rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight,
                                              eps=eps, weight_offset=weight_offset, per_token=per_token,
@@ -213,6 +228,23 @@ class CppBackend(Backend):
         def run(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight):
             write(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, eps, weight_offset, per_token, block_size,
                   interleaved)
+
+        return run
+
+    def prepared_scaled_cache_write(self, *, k_weight_given, eps, weight_offset, per_token, block_size, layout,
+                                    like=()):
+        """``rotate_into_cache_scaled`` itself, bound to the options, for tensors it takes (it checks the scales)."""
+        k, v, cos, sin, k_cache, v_cache, slots, k_weight, k_scale, v_scale = like
+        if not (self.is_available() and self._takes_all(k, cos, sin, slots, k_weight, k_scale, k_cache)
+                and self._takes_all(v, v_scale, v_cache)) or torch.float64 in (k.dtype, v.dtype):
+            return super().prepared_scaled_cache_write(k_weight_given=k_weight_given, eps=eps,
+                                                       weight_offset=weight_offset, per_token=per_token,
+                                                       block_size=block_size, layout=layout, like=like)
+        write, interleaved = self.module.rotate_into_cache_scaled, layout == "interleaved"
+
+        def run(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, k_scale, v_scale):
+            write(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, eps, weight_offset, per_token, block_size,
+                  interleaved, k_scale, v_scale)
 
         return run
 

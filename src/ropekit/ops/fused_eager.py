@@ -13,13 +13,17 @@ Its backward (``gy = apply_rotary(grad, -theta)``, ``gyg = gy * g``)::
     grad_x = r * gyg - x * (r^3 * sum(gyg * x) / n)          grad_w = sum over rows of gy * x * r
 
 These allocate float32 temporaries of x's size (the native kernels do not). Writing into a KV
-cache copies the rotated keys and the values into their slots with indexing ops.
+cache copies the rotated keys and the values into their slots with indexing ops; an FP8 cache
+gets the float32 rotated keys (values: converted exactly to float32) through one scaled
+conversion (:func:`ropekit.ops.fp8.quantize`), never rounded to k's dtype first.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from .fp8 import is_fp8, quantize
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -112,6 +116,29 @@ def check_slots(k: Tensor, k_cache: Tensor, slots: Tensor | None, start: int, bl
     if index.numel() and int(index.max()) >= capacity:
         raise ValueError(f"slots: slot {int(index.max())} is outside a cache of {capacity} slots")
     return index
+
+
+def cache_entries(x: Tensor, cache: Tensor, scale: Tensor | None, head_axis: int) -> Tensor:
+    """``x`` as ``cache`` stores it: FP8 through ``scale`` (per head along ``head_axis``), else rounded to its dtype."""
+    if not is_fp8(cache.dtype):
+        return x.to(cache.dtype)
+    if scale is None:
+        raise ValueError(f"a {cache.dtype} cache needs a scale (a bug in ropekit: the public function gives one)")
+    shape = [1] * x.dim()
+    shape[head_axis] = -1
+    return quantize(x.to(torch.float32), scale.reshape(shape) if scale.numel() > 1 else scale.reshape(()),
+                    cache.dtype)
+
+
+def rotate_scaled(backend, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  slots: Tensor | None, start: int, *, k_scale: Tensor | None, v_scale: Tensor | None,
+                  **options) -> None:
+    """``Backend.rotate_into_cache`` with an FP8 cache: keys rotated in float32, each cache's entries made once."""
+    check_slots(k, k_cache, slots, start, options["block_size"])  # before anything is computed or written
+    k_rot = rotate_keys(backend, k.to(torch.float32), cos, sin, **options)  # bf16/fp16 -> float32 is exact
+    head_axis = 1  # (batch, kv_heads, seq, head_dim) and (tokens, kv_heads, head_dim) alike
+    write_slots(cache_entries(k_rot, k_cache, k_scale, head_axis), cache_entries(v, v_cache, v_scale, head_axis),
+                k_cache, v_cache, slots, start, options["block_size"])
 
 
 def write_slots(k_rot: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor | None, start: int,

@@ -12,7 +12,7 @@ Operators (``torch.ops.ropekit.<name>``; a trailing underscore works in place)::
         float weight_offset, bool per_token, str layout, str backend) -> (Tensor grad_x, Tensor grad_weight)
     rotate_into_cache(Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache,
         Tensor? slots, int start, Tensor? k_weight, float? eps, float weight_offset, bool per_token,
-        int block_size, str layout, str backend) -> ()
+        int block_size, str layout, str backend, Tensor? k_scale=None, Tensor? v_scale=None) -> ()
 
 Each kernel is the named backend's method of the same name (:class:`ropekit.ops.Backend`; its
 defaults compose torch ops, so every registered backend has every form). The out-of-place
@@ -79,10 +79,16 @@ def _rms_norm_rotary_backward(grad: Tensor, x: Tensor, weight: Tensor | None, co
 @torch.library.custom_op("ropekit::rotate_into_cache", mutates_args=("k_cache", "v_cache"))
 def _rotate_into_cache(k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                        slots: Tensor | None, start: int, k_weight: Tensor | None, eps: float | None,
-                       weight_offset: float, per_token: bool, block_size: int, layout: str, backend: str) -> None:
+                       weight_offset: float, per_token: bool, block_size: int, layout: str, backend: str,
+                       k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
     dispatch.get(backend).rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight, eps=eps,
                                             weight_offset=weight_offset, per_token=per_token, block_size=block_size,
-                                            layout=layout)
+                                            layout=layout, **_scales(k_scale, v_scale))
+
+
+def _scales(k_scale: Tensor | None, v_scale: Tensor | None) -> dict:
+    """The FP8 scales as backend keywords: none at all when both are None (an older override takes no scales)."""
+    return {} if k_scale is None and v_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
 
 
 _rms_norm_rotary.register_fake(lambda x, *args: torch.empty_like(x))
@@ -173,13 +179,17 @@ def rms_norm_rotary_qk(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: 
 
 def rotate_into_cache(k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                       slots: Tensor | None, start: int, *, k_weight: Tensor | None, eps: float | None,
-                      weight_offset: float, per_token: bool, block_size: int, layout: str, backend: str) -> None:
-    """Keys rotated (normalised first with ``eps``) and values copied into the cache slots, one pass."""
-    tensors = (k, v, cos, sin, k_cache, v_cache, *(() if slots is None else (slots,)))
+                      weight_offset: float, per_token: bool, block_size: int, layout: str, backend: str,
+                      k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
+    """Keys rotated (normalised first with ``eps``) and values copied into the cache slots, one pass.
+
+    ``k_scale``/``v_scale``: float32 ``(kv_heads,)`` scales of FP8 caches (None otherwise).
+    """
+    tensors = (k, v, cos, sin, k_cache, v_cache, *(t for t in (slots, k_scale, v_scale) if t is not None))
     if direct_with_weights(*tensors, weights=(k_weight,)):
         dispatch.get(backend).rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight,
                                                 eps=eps, weight_offset=weight_offset, per_token=per_token,
-                                                block_size=block_size, layout=layout)
+                                                block_size=block_size, layout=layout, **_scales(k_scale, v_scale))
         return
     torch.ops.ropekit.rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight, eps, weight_offset,
-                                        per_token, block_size, layout, backend)
+                                        per_token, block_size, layout, backend, k_scale, v_scale)

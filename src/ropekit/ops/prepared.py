@@ -22,9 +22,10 @@ A signature (built per entry point by :mod:`ropekit.ops.prepared_keys`, one flat
   the signature fixing them) are compared, and only ranges that intersect are tested exactly
   (:func:`apart`, :func:`ropekit.ops.memory.overlapping`).
 
-What no signature holds, the values inside tensors (positions, cache slots), the kernels check
-on every call. :func:`clear` forgets every prepared call (a process that never called anything);
-:func:`ropekit.ops.register` clears them, since a name may now mean another backend.
+What no signature holds, the values inside tensors (positions, cache slots, FP8 scales), the
+prepared calls check on every call, before writing anything. :func:`clear` forgets every
+prepared call (a process that never called anything); :func:`ropekit.ops.register` clears them,
+since a name may now mean another backend.
 """
 
 from __future__ import annotations

@@ -170,14 +170,24 @@ def rms_norm_rotary(x, weight, cos, sin, eps, norm, layout, weight_offset, inpla
     return key, call
 
 
+_SCALES = frozenset((Tensor, float, int, type(None)))  # what an FP8 scale of a prepared call may be
+
+
 def rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight, eps, norm, weight_offset,
-                      block_size, backend) -> tuple:
+                      block_size, backend, k_scale=None, v_scale=None) -> tuple:
     """``(key, call)`` of ``rotate_into_cache``; the call takes the backend's cache-write arguments.
 
     An int slot is keyed by its sign (a negative one is refused; the kernels check the rest on
-    every call), a slots tensor like every other tensor.
+    every call), a slots tensor like every other tensor. An FP8 scale is keyed by its type and, a
+    number, by its value (one that passed the checks: finite and > 0 as a float32), a tensor like
+    every other tensor: per tensor and per head, its dtype and device are the signature's; its
+    values the call checks on every call, before writing (the C++ kernel itself, or one reduction).
     """
     slots_int, no_kw = type(slots) is int, k_weight is None
+    ks_tensor, vs_tensor = type(k_scale) is Tensor, type(v_scale) is Tensor
+    if (type(k_scale) not in _SCALES or type(v_scale) not in _SCALES
+            or (_grad_enabled() and ((ks_tensor and k_scale.requires_grad) or (vs_tensor and v_scale.requires_grad)))):
+        return _COLD
     if (_is_compiling() or type(k) is not Tensor or type(v) is not Tensor or type(cos) is not Tensor
             or type(sin) is not Tensor or type(k_cache) is not Tensor or type(v_cache) is not Tensor
             or not (slots_int or type(slots) is Tensor) or type(k_weight) not in _WEIGHTS
@@ -210,13 +220,17 @@ def rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight,
                None if slots_int else slots.dtype, None if slots_int else slots.is_cpu or slots.device,
                type(k_weight), None if no_kw else k_weight.shape,
                None if no_kw else k_weight.is_contiguous() or k_weight.stride(),
-               None if no_kw else k_weight.dtype, None if no_kw else k_weight.is_cpu or k_weight.device)
+               None if no_kw else k_weight.dtype, None if no_kw else k_weight.is_cpu or k_weight.device,
+               type(k_scale), (k_scale.shape, k_scale.is_contiguous() or k_scale.stride(), k_scale.dtype,
+                               k_scale.is_cpu or k_scale.device) if ks_tensor else k_scale,
+               type(v_scale), (v_scale.shape, v_scale.is_contiguous() or v_scale.stride(), v_scale.dtype,
+                               v_scale.is_cpu or v_scale.device) if vs_tensor else v_scale)
         entry = calls.get(key)
     except (RuntimeError, TypeError):
         return _COLD
     if entry is None:
         return key, None
-    call, ekc, evc, ek, ev, ec, es, esl, ekw = entry
+    call, ekc, evc, ek, ev, ec, es, esl, ekw, eks, evs = entry
     pkc, pvc, pk, pv, pc, ps = (k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(),
                                 sin.data_ptr())
     psl = 0 if slots_int else slots.data_ptr()
@@ -230,6 +244,14 @@ def rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, layout, k_weight,
             and (no_kw or ((pkc + ekc <= pkw or pkw + ekw <= pkc) and (pvc + evc <= pkw or pkw + ekw <= pvc)))) \
             and not apart((k_cache, v_cache), (k, v, cos, sin, slots, k_weight)):
         return _COLD
+    if ks_tensor or vs_tensor:  # a scale is read: it shares no memory with a cache
+        pks = k_scale.data_ptr() if ks_tensor else 0
+        pvs = v_scale.data_ptr() if vs_tensor else 0
+        if not ((not ks_tensor or ((pkc + ekc <= pks or pks + eks <= pkc) and (pvc + evc <= pks or pks + eks <= pvc)))
+                and (not vs_tensor or ((pkc + ekc <= pvs or pvs + evs <= pkc)
+                                       and (pvc + evc <= pvs or pvs + evs <= pvc)))) \
+                and not apart((k_cache, v_cache), (k_scale, v_scale)):
+            return _COLD
     return key, call
 
 

@@ -23,6 +23,7 @@ from . import triton_fused as fused
 from . import triton_kernel as kern
 from .backend import Backend
 from .eager import EagerBackend, full_rank
+from .fp8 import is_fp8
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -44,9 +45,10 @@ class TritonBackend(Backend):
 
     def cannot_run(self, x: Tensor) -> str | None:
         """See :class:`ropekit.ops.Backend`: CUDA tensors (any device interpreted) of float32, float16 or bfloat16."""
-        if kern.can_launch(x) and x.dtype in KERNEL_DTYPES:
+        if kern.can_launch(x) and (x.dtype in KERNEL_DTYPES or is_fp8(x.dtype)):
             return None
-        return "CUDA tensors (any device under TRITON_INTERPRET=1) of dtype float32, float16 or bfloat16"
+        return (
+            "CUDA tensors (any device under TRITON_INTERPRET=1) of dtype float32, float16 or bfloat16 (FP8 caches too)")
 
     def apply_rotary(self, x, cos, sin, *, layout, conjugate, inplace):
         """See :class:`ropekit.ops.Backend`."""
@@ -126,14 +128,15 @@ class TritonBackend(Backend):
                                                 per_token=per_token, layout=layout)
 
     def rotate_into_cache(self, k, v, cos, sin, k_cache, v_cache, slots, start, *, k_weight, eps, weight_offset,
-                          per_token, block_size, layout):
-        """See :class:`ropekit.ops.Backend`."""
+                          per_token, block_size, layout, k_scale=None, v_scale=None):
+        """See :class:`ropekit.ops.Backend`; FP8 caches are written by the same kernels through their scales."""
+        scales = {} if k_scale is None and v_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
         if _use_kernel(k, 2 * cos.shape[-1]) and v.dtype in KERNEL_DTYPES:
             fused_eager.check_slots(k, k_cache, slots, start, block_size)  # reads the slots back (one sync)
             slots = None if slots is None else slots.contiguous()
             if fused.launch_cache(k, v, cos, sin, k_cache, v_cache, slots, start, self._gains(k_weight, weight_offset),
-                                  eps=eps, per_token=per_token, block_size=block_size, layout=layout):
+                                  eps=eps, per_token=per_token, block_size=block_size, layout=layout, **scales):
                 return None
         return super().rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots, start, k_weight=k_weight, eps=eps,
                                          weight_offset=weight_offset, per_token=per_token, block_size=block_size,
-                                         layout=layout)
+                                         layout=layout, **scales)

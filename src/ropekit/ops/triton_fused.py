@@ -19,6 +19,9 @@ approximation), and the rotation is the one of
 :mod:`.triton_kernel`. The backward kernel recomputes ``r`` and writes each program's share of the
 weight gradient to a float32 buffer that the launcher sums.
 
+* ``SCALED``: the output is an FP8 cache: ``clamp(y / scale[head], -max, max)`` of the float32
+  result, rounded to the FP8 grid in float32 (:func:`_fp8_entry`), then stored.
+
 Written for ``TRITON_INTERPRET=1`` too: no ``.to()`` on scalar arguments, no ``libdevice``.
 """
 
@@ -60,16 +63,40 @@ def _inv_rms(x1, x2, xt, n, eps, PER_TOKEN: tl.constexpr):
     return (1.0 / tl.sqrt(squares / n + eps)).to(tl.float32)[:, :, None]
 
 
+_FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # mantissa bits, least normal exponent
+
+
+def _fp8_entry(y, scale, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """``clamp(y / scale, -max, max)`` rounded to the FP8 grid in float32 (the store's conversion is then exact).
+
+    IEEE division (``div_rn``), then round to nearest even at the grid's spacing ``2^(e - MANT)``
+    (``e`` the exponent, at least ``EMIN``: subnormals), sign and NaN kept. Rounding here rather
+    than in the float32 -> FP8 conversion makes the CPU interpreter, whose conversion does not carry
+    a rounding into the exponent, give the GPU's bits.
+    """
+    q = tl.math.div_rn(y, scale)
+    q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    bits = q.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
+    spacing = ((exponent - MANT + 127) << 23).to(tl.float32, bitcast=True)
+    steps = tl.abs(q) / spacing  # exact (a power of two), below 2^(MANT + 1)
+    steps = (steps + 12582912.0) - 12582912.0  # 1.5 * 2^23: round to nearest even
+    rounded = (steps * spacing).to(tl.int32, bitcast=True) | (bits & -2147483648)
+    return tl.where(q != q, q, rounded.to(tl.float32, bitcast=True))
+
+
 def _forward_kernel(
-    X, OUT, COS, SIN, GAINS, SLOTS,
+    X, OUT, COS, SIN, GAINS, SLOTS, SCALE,
     seqlen, heads, seq_blocks, head_blocks, rotary_half, head_dim, n, eps, start, block_size,
     sx_b, sx_s, sx_h, sx_d, so_b, so_s, so_h, so_d, sc_b, sc_s, sc_h, sc_d, sn_b, sn_s, sn_h, sn_d, sg_h, sl_b,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
     INTERLEAVED: tl.constexpr, NORM: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_GAINS: tl.constexpr,
     DEST: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    INT64: tl.constexpr,
+    INT64: tl.constexpr, SCALED: tl.constexpr = False, FP8_MAX: tl.constexpr = 0.0, MANT: tl.constexpr = 0,
+    EMIN: tl.constexpr = 0,
 ):
-    """One program: BLOCK_S tokens x BLOCK_H heads, every channel."""
+    """One program: BLOCK_S tokens x BLOCK_H heads, every channel (SCALED: into an FP8 cache, per-head SCALE)."""
     pid = tl.program_id(0)
     if INT64:
         pid = pid.to(tl.int64)
@@ -119,8 +146,15 @@ def _forward_kernel(
     table = b * sn_b + s_idx[:, None, None] * sn_s + h_idx[None, :, None] * sn_h + pairs[None, None, :] * sn_d
     s = tl.load(SIN + table, mask=mask, other=0.0).to(tl.float32)
     o = OUT + out_rows[:, None, None] + h_idx[None, :, None] * so_h
-    tl.store(o + first[None, None, :] * so_d, (x1 * c - x2 * s).to(OUT.dtype.element_ty), mask=mask)
-    tl.store(o + second[None, None, :] * so_d, (x2 * c + x1 * s).to(OUT.dtype.element_ty), mask=mask)
+    y1 = x1 * c - x2 * s
+    y2 = x2 * c + x1 * s
+    if SCALED:
+        scale = tl.load(SCALE + h_idx, mask=h_idx < heads, other=1.0)[None, :, None]
+        y1 = _fp8_entry(y1, scale, FP8_MAX, MANT, EMIN)
+        y2 = _fp8_entry(y2, scale, FP8_MAX, MANT, EMIN)
+        xt = _fp8_entry(xt, scale, FP8_MAX, MANT, EMIN)
+    tl.store(o + first[None, None, :] * so_d, y1.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(o + second[None, None, :] * so_d, y2.to(OUT.dtype.element_ty), mask=mask)
     tl.store(o + tail[None, None, :] * so_d, xt.to(OUT.dtype.element_ty), mask=tail_mask)
 
 
@@ -194,7 +228,8 @@ def _jit(interpret: bool):
     """The jitted kernels (decided per mode, as :func:`ropekit.ops.triton_kernel._jit` explains)."""
     del interpret
     add = triton.jit(_add)
-    helpers = dict(_tile=triton.jit(_tile), _inv_rms=triton.jit(_with_scope(_inv_rms, _add=add)), _add=add)
+    helpers = dict(_tile=triton.jit(_tile), _inv_rms=triton.jit(_with_scope(_inv_rms, _add=add)), _add=add,
+                   _fp8_entry=triton.jit(_fp8_entry))
     return tuple(triton.jit(_with_scope(fn, **helpers)) for fn in (_forward_kernel, _backward_kernel))
 
 
@@ -242,12 +277,13 @@ def _strides(roles, i: int, tensor: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def launch_norm_rotate(x, out, cos, sin, gains, *, eps: float, per_token: bool, layout: str, norm: bool = True,
-                       dest: int = 0, slots=None, start: int = 0, block_size: int = 0, out_roles=None) -> bool:
+                       dest: int = 0, slots=None, start: int = 0, block_size: int = 0, out_roles=None,
+                       scale=None) -> bool:
     """Normalise (``norm``) and rotate ``x`` into ``out``; False, having launched nothing, if the axes do not fit.
 
     ``cos``/``sin`` are expanded to ``x``'s leading shape; ``gains`` is None or float32
     ``(head_dim,)`` / ``(heads, head_dim)``. With ``dest`` 1 or 2, ``out`` is a cache and
-    ``out_roles`` its (batch, seq, heads) strides.
+    ``out_roles`` its (batch, seq, heads) strides; ``scale`` (float32 ``(heads,)``) with an FP8 ``out``.
     """
     half = cos.shape[-1]
     cos, sin = cos.expand(*x.shape[:-1], half), sin.expand(*x.shape[:-1], half)
@@ -273,14 +309,17 @@ def launch_norm_rotate(x, out, cos, sin, gains, *, eps: float, per_token: bool, 
     tail = x.shape[-1] - 2 * half
     extents = kern._extents(x, out, cos, sin) + [batch * seq * heads * x.shape[-1]]
     forward, _ = _jit(kern.interpreting())
+    fp8 = {} if scale is None else dict(SCALED=True, FP8_MAX=float(torch.finfo(out.dtype).max),
+                                        MANT=_FP8_GRID[out.dtype][0], EMIN=_FP8_GRID[out.dtype][1])
     forward[(batch * seq_blocks * head_blocks,)](
         x, out, cos, sin, cos if gains is None else gains, cos if slots is None else slots,
+        cos if scale is None else scale,
         seq, heads, seq_blocks, head_blocks, half, x.shape[-1], x.shape[-1] * (heads if per_token else 1), eps,
         start, max(block_size, 1), *sx, *so, *sc, *sn,
         0 if gains is None or gains.dim() == 1 else gains.stride(0), 0 if slots is None or slots.numel() == 1 else 1,
         BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_T=kern._pow2(max(tail, 1)),
         INTERLEAVED=layout == "interleaved", NORM=norm, PER_TOKEN=per_token, HAS_GAINS=gains is not None,
-        DEST=dest, HAS_SLOTS=slots is not None, INT64=kern.needs_int64(*extents),
+        DEST=dest, HAS_SLOTS=slots is not None, INT64=kern.needs_int64(*extents), **fp8,
     )
     return True
 
@@ -316,8 +355,11 @@ def launch_backward(grad, x, grad_x, cos, sin, gains, *, eps: float, per_token: 
 
 
 def launch_cache(k, v, cos, sin, k_cache, v_cache, slots, start, gains, *, eps, per_token, block_size,
-                 layout) -> bool:
-    """Keys (normalised with ``eps``) rotated and values copied into the cache slots; False if they do not fit."""
+                 layout, k_scale=None, v_scale=None) -> bool:
+    """Keys (normalised with ``eps``) rotated and values copied into the cache slots; False if they do not fit.
+
+    An FP8 cache comes with its float32 ``(kv_heads,)`` scale: ``clamp(y / scale)`` of the float32 result.
+    """
     if block_size == 0:  # k (batch, kv_heads, seq, head_dim) -> roles (batch, seq, heads)
         k_view, v_view = k.transpose(1, 2), v.transpose(1, 2)
         lead = (1,) * (k.dim() - cos.dim())
@@ -333,8 +375,8 @@ def launch_cache(k, v, cos, sin, k_cache, v_cache, slots, start, gains, *, eps, 
     options = dict(dest=dest, slots=slots, start=start, block_size=block_size, layout=layout)
     no_table = cos[..., :0]
     if not launch_norm_rotate(k_view, k_cache, cos, sin, gains, eps=0.0 if eps is None else eps, per_token=per_token,
-                              norm=eps is not None, out_roles=roles[0], **options):
+                              norm=eps is not None, out_roles=roles[0], scale=k_scale, **options):
         return False
     launch_norm_rotate(v_view, v_cache, no_table, no_table, None, eps=0.0, per_token=False, norm=False,
-                       out_roles=roles[1], **options)
+                       out_roles=roles[1], scale=v_scale, **options)
     return True

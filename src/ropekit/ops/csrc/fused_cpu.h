@@ -9,6 +9,7 @@
 //   rms_norm_rotary_backward(grad, x, weight?, cos, sin, eps, ...) -> (grad_x, grad_weight or empty)
 //   rotate_into_cache(k, v, cos, sin, k_cache, v_cache, slots?, start, k_weight?, eps?, weight_offset,
 //                     per_token, block_size, interleaved) -> ()
+//   rotate_into_cache_scaled(..., same..., k_scale?, v_scale?) -> ()     FP8 caches (cache_scaled.h)
 //
 // The norm spans the last axis (per head, weight (head_dim,)) or the last two (per token, weight
 // (heads, head_dim)); see norm_rows.h for the arithmetic. ropekit.functional_fused validates the
@@ -234,14 +235,13 @@ void rotate_into_checked(const Tensor &k, const Tensor &v, const Tensor &cos, co
                          const c10::optional<Tensor> &k_weight, c10::optional<double> eps, double offset,
                          bool per_token, int64_t block_size, bool interleaved);
 
-void rotate_into_cache(const Tensor &k, const Tensor &v, const Tensor &cos, const Tensor &sin, const Tensor &k_cache,
-                       const Tensor &v_cache, const c10::optional<Tensor> &slots, int64_t start,
-                       const c10::optional<Tensor> &k_weight, c10::optional<double> eps, double offset, bool per_token,
-                       int64_t block_size, bool interleaved) {
+// The checks of a cache write but the dtypes' (shapes, devices, tables, every slot); returns the
+// starts (contiguous) or one slot per token (paged).
+std::vector<int64_t> checked_cache_slots(const Tensor &k, const Tensor &v, const Tensor &cos, const Tensor &sin,
+                                         const Tensor &k_cache, const Tensor &v_cache,
+                                         const c10::optional<Tensor> &slots, int64_t start, int64_t block_size) {
     TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "ropekit_cpu: k and v must have the same shape, got ", k.sizes(),
                       " and ", v.sizes());
-    TORCH_CHECK_VALUE(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
-                      "ropekit_cpu: the caches must have the dtypes of k and v");
     TORCH_CHECK_VALUE(k.device().is_cpu() && v.device().is_cpu() && k_cache.device().is_cpu() &&
                       v_cache.device().is_cpu(), "ropekit_cpu: k, v and the caches must be CPU tensors");
     const bool paged = block_size > 0;
@@ -261,7 +261,7 @@ void rotate_into_cache(const Tensor &k, const Tensor &v, const Tensor &cos, cons
         TORCH_CHECK_VALUE(k_cache.size(0) == k.size(0) && k_cache.size(1) == k.size(1) && k_cache.size(3) == k.size(3),
                           "ropekit_cpu: the caches ", k_cache.sizes(), " do not fit k ", k.sizes());
     }
-    // the slots first (checked whatever k holds), then nothing to do for empty keys
+    // the slots (checked whatever k holds)
     std::vector<int64_t> slot;
     if (slots.has_value() && slots->defined()) {
         slot = slot_values(*slots);
@@ -287,6 +287,16 @@ void rotate_into_cache(const Tensor &k, const Tensor &v, const Tensor &cos, cons
             TORCH_CHECK_VALUE(first >= 0 && seq <= length && first <= length - seq, "slots: tokens [", first,
                               ", ", first, " + ", seq, ") do not fit in a cache of length ", length);
     }
+    return slot;
+}
+
+void rotate_into_cache(const Tensor &k, const Tensor &v, const Tensor &cos, const Tensor &sin, const Tensor &k_cache,
+                       const Tensor &v_cache, const c10::optional<Tensor> &slots, int64_t start,
+                       const c10::optional<Tensor> &k_weight, c10::optional<double> eps, double offset, bool per_token,
+                       int64_t block_size, bool interleaved) {
+    TORCH_CHECK_VALUE(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+                      "ropekit_cpu: the caches must have the dtypes of k and v");
+    const std::vector<int64_t> slot = checked_cache_slots(k, v, cos, sin, k_cache, v_cache, slots, start, block_size);
     if (k.numel() == 0) return;
     // caches with strided channels: the kernel writes a contiguous copy, copied back below
     const Tensor k_target = unit_channels(k_cache), v_target = unit_channels(v_cache);
@@ -370,5 +380,7 @@ void rotate_into_checked(const Tensor &k, const Tensor &v, const Tensor &cos, co
     }
     run_jobs(jobs, /*each_job=*/true);  // keys cost more per row than values
 }
+
+#include "cache_scaled.h"
 
 #endif  // ROPEKIT_FUSED_CPU_H

@@ -32,6 +32,10 @@
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
@@ -41,9 +45,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <memory>
+#include <limits>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -219,6 +226,9 @@ ROPEKIT_LIBRARY(ROPEKIT_CPU_NAMESPACE, m) {
     m.def("rotate_into_cache(Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
           "Tensor? slots, int start, Tensor? k_weight, float? eps, float weight_offset, bool per_token, "
           "int block_size, bool interleaved) -> ()");
+    m.def("rotate_into_cache_scaled(Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+          "Tensor(b!) v_cache, Tensor? slots, int start, Tensor? k_weight, float? eps, float weight_offset, "
+          "bool per_token, int block_size, bool interleaved, Tensor? k_scale, Tensor? v_scale) -> ()");
     m.def("set_thresholds(int plan_bytes, int parallel_bytes) -> int[]", &set_thresholds);
     m.def("populated_bytes() -> int", &populated_bytes);
     m.def("set_populate_bytes(int min_bytes) -> int", &set_populate_bytes);
@@ -242,6 +252,7 @@ static void impl_kernels(torch::Library& m) {
     m.impl("rms_norm_rotary_qk_", &rms_norm_rotary_qk_);
     m.impl("rms_norm_rotary_backward", &rms_norm_rotary_backward);
     m.impl("rotate_into_cache", &rotate_into_cache);
+    m.impl("rotate_into_cache_scaled", &rotate_into_cache_scaled);
 }
 
 ROPEKIT_LIBRARY_IMPL(ROPEKIT_CPU_NAMESPACE, CPU, m) { impl_kernels(m); }
@@ -270,4 +281,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rms_norm_rotary_qk_", &rms_norm_rotary_qk_, release);
     m.def("rms_norm_rotary_backward", &rms_norm_rotary_backward, release);
     m.def("rotate_into_cache", &rotate_into_cache, release);
+    m.def("rotate_into_cache_scaled", &rotate_into_cache_scaled, release);
 }
