@@ -11,12 +11,21 @@ import math
 import pytest
 import torch
 import transformers
+from hypothesis import given
+from hypothesis import strategies as st
 
 from probe_helpers import PROMPT, tiny_model_dir
 from ropekit import RopeConfig, cos_sin
 from ropekit.cli.entry import main
 from ropekit_lab import extend as lab_extend
-from ropekit_lab.extend_eval import ANSWER_TOKENS, blockwise_nll, evaluate_window, greedy_answer, passkey_window
+from ropekit_lab.extend_eval import (
+    ANSWER_TOKENS,
+    blockwise_nll,
+    bucket_edges,
+    evaluate_window,
+    greedy_answer,
+    passkey_window,
+)
 from ropekit_lab.extend_rules import RULES, candidate, candidates, pair_ranges, written_config
 from ropekit_lab.probe_models import load_model_dir
 from ropekit_lab.probe_stats import slow_pairs
@@ -34,6 +43,26 @@ def own_rope(hidden=32, heads=4, base=10000.0):
     config = transformers.LlamaConfig(hidden_size=hidden, num_attention_heads=heads, max_position_embeddings=TRAINED,
                                       rope_parameters={"rope_type": "default", "rope_theta": base})
     return config, RopeConfig.from_hf(config)
+
+
+@given(target=st.integers(256, 70000), share=st.floats(0.05, 0.95), buckets=st.integers(2, 12))
+def test_the_buckets_cover_the_window_with_the_trained_length_as_an_edge_and_none_nearly_empty(target, share, buckets):
+    """Edges from 1 to T, L among them, and no bucket shorter than a quarter of an equal one (at 4x, the
+    equal edge at L + 1 once left a bucket of one position)."""
+    trained = max(2, min(target - 1, round(share * target)))
+    edges = bucket_edges(target, trained, buckets)
+    width = (target - 1) / buckets
+    assert edges[0] == 1 and edges[-1] == target and trained in edges
+    assert edges == sorted(set(edges)) and len(edges) <= buckets + 2
+    for low, high in zip(edges[:-1], edges[1:], strict=True):
+        if {low, high} in ({1, trained}, {trained, target}):
+            continue  # L itself near an end of the window: that bucket is as short as L is close
+        assert high - low >= width / 4 - 1  # equal edges are rounded: half a position either side
+
+
+def test_the_buckets_at_4x_put_the_trained_length_on_the_equal_edge_it_replaces():
+    assert bucket_edges(32768, 8192, 8) == [1, 4097, 8192, 12289, 16384, 20480, 24576, 28672, 32768]
+    assert bucket_edges(16384, 8192, 8) == [1, 2049, 4097, 6145, 8192, 10240, 12288, 14336, 16384]
 
 
 @pytest.mark.parametrize("name", RULES)

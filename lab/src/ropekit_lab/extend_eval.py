@@ -208,11 +208,16 @@ def peak_rss_mb() -> float:
 
 
 def bucket_edges(target: int, trained: int, buckets: int) -> list[int]:
-    """Target-position edges of ``buckets`` equal buckets over ``[1, target)``; ``trained`` is always an edge."""
-    edges = sorted({1, *(round(1 + k * (target - 1) / buckets) for k in range(1, buckets)), target})
-    if 1 < trained < target and trained not in edges:
-        edges = sorted({*edges, trained})
-    return edges
+    """Target-position edges of ``buckets`` equal buckets over ``[1, target)``; ``trained`` is always an edge.
+
+    An equal edge closer to ``trained`` than a quarter of a bucket is moved onto it rather than kept
+    beside it (at 4x, the equal edge falls at ``L + 1``: it would leave a bucket of one position).
+    """
+    width = (target - 1) / buckets
+    inner = [round(1 + k * width) for k in range(1, buckets)]
+    if 1 < trained < target:
+        inner = [e for e in inner if abs(e - trained) >= width / 4] + [trained]
+    return sorted({1, *inner, target})
 
 
 def bucket_means(nll: torch.Tensor, edges: list[int]) -> list[tuple[float, int]]:
