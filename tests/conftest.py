@@ -35,12 +35,38 @@ def native_required() -> bool:
     return os.environ.get("ROPEKIT_REQUIRE_NATIVE", "") not in ("", "0")
 
 
+def _xdist_controller(config) -> bool:
+    """This process hands the tests to ``pytest -n N`` workers (pytest-xdist), and runs none itself."""
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+
+
+def _warm_shared_caches() -> None:
+    """Build what the workers would otherwise build at the same moment: the C++ kernel, the SmolLM2 example.
+
+    Both are written all-or-nothing, so two workers building one at once would each succeed, but a
+    worker could read the example's directory while another swaps in its own copy. A failure here
+    (no network, no compiler) is left to the tests that need them, which skip or fail with the reason.
+    """
+    from ropekit import ops
+
+    ops.available()  # loads (and builds once) the C++ kernel
+    try:
+        from ropekit_lab.smollm2_cache import smollm2_hf_dir
+
+        smollm2_hf_dir(quiet=True)
+    except Exception:  # noqa: BLE001 - the tests report it
+        pass
+
+
 def pytest_sessionstart(session):
     """With ``ROPEKIT_REQUIRE_NATIVE=1``, a session whose C++ CPU kernel cannot load fails at once.
 
     Otherwise the ~150 cases that need the kernel skip (``"cpu" not in ops.available()``) and a
-    run where the extension does not build would pass: CI must see that as a failure.
+    run where the extension does not build would pass: CI must see that as a failure. Under
+    ``pytest -n N`` the controlling process first builds the caches the workers share.
     """
+    if _xdist_controller(session.config):
+        _warm_shared_caches()
     if not native_required():
         return
     from ropekit import ops
