@@ -162,6 +162,15 @@ class Fuzzer:
         h = self.rng.randint(0, head_dim // 2) if self.rng.random() < 0.3 else head_dim // 2
         return head_dim, h
 
+    def cache_options(self):
+        """A cache write's ``(interleaved, paged, kv heads, normalise, per-token norm)``."""
+        rng = self.rng
+        interleaved = rng.random() < 0.5
+        paged = rng.random() < 0.5
+        heads = rng.randint(1, 3)
+        normalise = rng.random() < 0.3
+        return interleaved, paged, heads, normalise, normalise and rng.random() < 0.5
+
     # -- the float64 oracles
     def rotated(self, x64, positions, inv_freq, lead, h, interleaved, conjugate):
         """``x64`` rotated by the reference's float64 rotation matrices (tables' positions broadcast)."""
@@ -372,11 +381,7 @@ class Fuzzer:
         """rotate_into_cache: contiguous (one start, per-row starts) and paged, keys normalised or not."""
         torch, rng = self.torch, self.rng
         dtype, (head_dim, h) = rng.choice(DTYPES), self.head()
-        interleaved = rng.random() < 0.5
-        paged = rng.random() < 0.5
-        heads = rng.randint(1, 3)
-        normalise = rng.random() < 0.3
-        per_token = normalise and rng.random() < 0.5
+        interleaved, paged, heads, normalise, per_token = self.cache_options()
         k_shape, cache_shape, block_size, slots, start, written, positions = self.geometry(paged, heads, head_dim)
         slot_list = starts = written
         seq = 0 if paged else k_shape[2]
@@ -525,11 +530,7 @@ class Fuzzer:
         """
         torch, rng = self.torch, self.rng
         dtype, (head_dim, h) = rng.choice(KEY_DTYPES), self.head()
-        interleaved = rng.random() < 0.5
-        paged = rng.random() < 0.5
-        heads = rng.randint(1, 3)
-        normalise = rng.random() < 0.3
-        per_token = normalise and rng.random() < 0.5
+        interleaved, paged, heads, normalise, per_token = self.cache_options()
         cache_dtypes = [rng.choice(("float8_e4m3fn", "float8_e5m2", "float8_e4m3fn", "float8_e5m2", dtype))
                         for _ in range(2)]
         k_shape, cache_shape, block_size, slots, start, written, positions = self.geometry(paged, heads, head_dim,
