@@ -256,7 +256,7 @@ def default_text() -> tuple[str, str]:
 def run(args: argparse.Namespace) -> int:
     """The ``extend`` verb: load, measure, write the page (and the config); print the page's path or the JSON."""
     from .extend_output import check_config_destination, check_out_folder, write_config, write_outputs
-    from .probe_models import load_example, load_gguf, load_model_dir
+    from .probe_models import load_chosen
     from .probe_text import read_text, text_record
 
     torch.set_num_threads(args.threads or 1)
@@ -271,12 +271,7 @@ def run(args: argparse.Namespace) -> int:
         text, label, option = *default_text(), "the default text"
     if not text.strip():
         raise ValueError(f"{option}: the text is empty")
-    if args.example:
-        loaded = load_example()
-    elif args.gguf is not None:
-        loaded = load_gguf(args.gguf)
-    else:
-        loaded = load_model_dir(args.model)
+    loaded = load_chosen(args)
     own = RopeConfig.from_hf(loaded.model.config)
     trained = args.context or (QUICK_CONTEXT if args.quick else own.max_positions)
     if trained is None:

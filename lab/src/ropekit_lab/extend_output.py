@@ -27,41 +27,19 @@ from typing import Any
 from ropekit.files import make_directory, replace_directory, staging_directory, write_file
 
 from .extend_rules import Candidate, written_config
-
-_OUTPUTS = ("index.html", "extend.json")
+from .page_output import check_page_folder, write_page_folder
 
 
 def check_out_folder(out: str | Path) -> Path:
     """``out`` as an absolute path; ``ValueError`` if it holds anything but an earlier run's outputs."""
-    folder = Path(out).resolve()
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"--out {str(out)!r}: not a directory")
-    if folder.is_dir():
-        foreign = sorted(p.name for p in folder.iterdir() if not (p.name in _OUTPUTS or p.name.endswith(".png")))
-        if foreign:
-            shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-            raise ValueError(f"--out {str(out)!r} holds files extend did not write ({shown}); extend replaces the "
-                             "whole folder: give it a folder of its own")
-    return folder
+    return check_page_folder(out, "extend.json", "extend")
 
 
 def write_outputs(out: str | Path, document: dict[str, Any], *, figures: bool = True) -> Path:
     """Write ``extend.json``, the figures and ``index.html`` as the folder ``out``, at once; the page's path."""
     from .extend_page import render
 
-    folder = check_out_folder(out)
-    html, pngs = render(document, figures=figures)
-    document["figures"] = list(pngs)
-    payload = {**pngs, "extend.json": (json.dumps(document, indent=1, allow_nan=False) + "\n").encode("utf-8"),
-               "index.html": html.encode("utf-8")}
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with staging_directory(folder.parent) as stage:
-        new = stage / folder.name
-        make_directory(new)
-        for name, data in payload.items():
-            write_file(new / name, lambda p, data=data: p.write_bytes(data))
-        replace_directory(new, folder)
-    return folder / "index.html"
+    return write_page_folder(check_out_folder(out), document, "extend.json", render, figures=figures)
 
 
 def _source(args: argparse.Namespace) -> Path | None:

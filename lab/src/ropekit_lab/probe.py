@@ -315,7 +315,7 @@ def versions() -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     """The ``probe`` verb: load, probe, write; print the page's path (or, with ``--json``, the document)."""
-    from .probe_models import load_example, load_gguf, load_model_dir
+    from .probe_models import load_chosen
 
     torch.set_num_threads(args.threads or 1)
     check_out_folder(args.out)
@@ -328,12 +328,7 @@ def run(args: argparse.Namespace) -> int:
         text, label, option = *default_text(), "the default text"
     if not text.strip():
         raise ValueError(f"{option}: the text is empty")
-    if args.example:
-        loaded = load_example()
-    elif args.gguf is not None:
-        loaded = load_gguf(args.gguf)
-    else:
-        loaded = load_model_dir(args.model)
+    loaded = load_chosen(args)
     rope = model_rope(loaded.model)
     limit = min(limit, rope.max_positions or limit)
     ids = encode(loaded.tokenizer, text, limit, option)

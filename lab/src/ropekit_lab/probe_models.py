@@ -165,6 +165,15 @@ def load_gguf(path: str | Path, option: str = "--gguf") -> LoadedModel:
     return LoadedModel(model, tokenizer, "gguf", str(file), rows, time.perf_counter() - start, notes)
 
 
+def load_chosen(args: Any) -> LoadedModel:
+    """The model a verb's ``--example`` / ``--gguf FILE`` / ``--model DIR`` names (one of them is set)."""
+    if args.example:
+        return load_example()
+    if args.gguf is not None:
+        return load_gguf(args.gguf)
+    return load_model_dir(args.model)
+
+
 def load_example() -> LoadedModel:
     """SmolLM2-135M-Instruct from its cached transformers directory, built from the GGUF on first use."""
     from safetensors.torch import load_file

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from ropekit.files import make_directory, replace_directory, staging_directory, write_file
+from .page_output import check_page_folder, write_page_folder
 
 
 def check_out_folder(out: str | Path) -> Path:
@@ -15,18 +14,7 @@ def check_out_folder(out: str | Path) -> Path:
     The probe replaces the whole folder in one step (:func:`write_outputs`), so a folder with other
     files in it is refused before any work.
     """
-    folder = Path(out).resolve()
-    if folder.is_dir():
-        foreign = sorted(p.name for p in folder.iterdir() if not _is_probe_output(p.name))
-        if foreign:
-            shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-            raise ValueError(f"--out {str(out)!r} holds files the probe did not write ({shown}); the probe replaces "
-                             "the whole folder: give it a folder of its own")
-    return folder
-
-
-def _is_probe_output(name: str) -> bool:
-    return name in ("index.html", "probe.json") or (name.endswith(".png") and "/" not in name)
+    return check_page_folder(out, "probe.json", "the probe")
 
 
 def write_outputs(out: str | Path, document: dict[str, Any], *, figures: bool = True) -> Path:
@@ -39,19 +27,7 @@ def write_outputs(out: str | Path, document: dict[str, Any], *, figures: bool = 
     """
     from .probe_page import render
 
-    folder = check_out_folder(out)
-    html, pngs = render(document, figures=figures)
-    document["figures"] = list(pngs)
-    payload = {**pngs, "probe.json": (json.dumps(document, indent=1, allow_nan=False) + "\n").encode("utf-8"),
-               "index.html": html.encode("utf-8")}
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with staging_directory(folder.parent) as stage:
-        new = stage / folder.name
-        make_directory(new)
-        for name, data in payload.items():
-            write_file(new / name, lambda p, data=data: p.write_bytes(data))
-        replace_directory(new, folder)
-    return folder / "index.html"
+    return write_page_folder(check_out_folder(out), document, "probe.json", render, figures=figures)
 
 
 def one_line_summary(document: dict[str, Any]) -> str:
